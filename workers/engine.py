@@ -1,0 +1,225 @@
+"""The engine step loop: schedule, run the model, post-process; plus KV export/import for handoff.
+
+Every step is recorded (the raw evidence of interference); every request records its token times.
+Roles: `colocated` does both phases; `prefill` stops a request after its first token and keeps its
+KV for export; `decode` takes requests whose KV was imported and only decodes them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from workers.block_manager import BlockManager
+from workers.config import EngineConfig, blocks_for
+from workers.kv_cache import KVCache, num_blocks_for
+from workers.model import Llama
+from workers.model_runner import ModelRunner
+from workers.request import InvalidRequest, Request, SamplingParams, Status
+from workers.sampler import make_generator
+from workers.scheduler import Scheduler
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float
+    end: float
+    num_prefill_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_tokens: int
+    num_blocks_used: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TokenEvent:
+    """What one step did for one request: its new token, and whether it ended (and why)."""
+
+    request_id: str
+    token: int
+    time: float
+    finish_reason: str | None = None   # "length", "stop", or "handoff" (prefill role)
+
+
+class Engine:
+    def __init__(self, model: Llama, cfg: EngineConfig, clock: Callable[[], float] = time.time):
+        self.model = model
+        self.mcfg = model.cfg
+        self.cfg = cfg
+        self.clock = clock
+        self.device = model.embed_tokens.device
+        self.dtype = model.embed_tokens.dtype
+        self.max_model_len = cfg.max_model_len or self.mcfg.max_position_embeddings
+        if self.max_model_len > self.mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={self.mcfg.max_position_embeddings}")
+        num_blocks = num_blocks_for(self.mcfg, cfg, self.dtype, self.device)
+        self.cache = KVCache(self.mcfg, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = ModelRunner(model, self.cache, self.max_model_len)
+        self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
+        self.trace: list[StepRecord] = []
+
+    # -- admission ------------------------------------------------------------------------------
+    def validate(self, request_id, prompt_ids, params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the request if this engine could never serve it."""
+        def bad(reason):
+            raise InvalidRequest(request_id, reason)
+
+        if request_id in self.requests:
+            bad("a request with this id is already in flight")
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            bad("empty prompt: prompt_ids must be a non-empty list of token ids")
+        vocab = self.mcfg.vocab_size
+        for i, tok in enumerate(prompt_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab})")
+        mt = params.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            bad(f"max_tokens={mt!r} must be an integer >= 1")
+        if params.temperature < 0:
+            bad(f"temperature={params.temperature} must be >= 0")
+        if not 0.0 < params.top_p <= 1.0:
+            bad(f"top_p={params.top_p} must be in (0, 1]")
+        n = len(prompt_ids)
+        if n > self.max_model_len:
+            bad(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        if n + mt > self.max_model_len:
+            bad(f"prompt ({n}) + max_tokens ({mt}) exceeds max_model_len={self.max_model_len}")
+        total = n + 1 if self.cfg.role == "prefill" else n + mt
+        need = blocks_for(total, self.cfg.block_size)
+        if need > self.blocks.num_blocks:
+            bad(f"needs {need} KV blocks but this engine's pool has {self.blocks.num_blocks}")
+
+    def _new_request(self, request_id, prompt_ids, params, arrival_time) -> Request:
+        req = Request(id=request_id, prompt_ids=list(prompt_ids), params=params,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time)
+        if not params.greedy:
+            req.generator = make_generator(params.seed if params.seed is not None else 0)
+        eos = () if params.ignore_eos else self.mcfg.eos_token_ids
+        req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
+        return req
+
+    def add_request(self, request_id, prompt_ids, params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        self.validate(request_id, prompt_ids, params)
+        req = self._new_request(request_id, prompt_ids, params, arrival_time)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id, reason: str = "aborted") -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        self._free(req)
+        req.status, req.finish_reason = Status.FAILED, reason
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        start = self.clock()
+        tokens = self.runner.execute(sched)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = self.clock()
+        events = []
+        for chunk, token in zip(sched.chunks, tokens):
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            if token is not None:
+                events.append(self._append(req, token, end))
+        self.trace.append(StepRecord(
+            step=len(self.trace), start=start, end=end, num_prefill_tokens=sched.num_prefill_tokens,
+            num_prefill_seqs=len(sched.prefills), num_decode_seqs=len(sched.decodes),
+            num_tokens=sched.num_tokens, num_blocks_used=self.blocks.num_used,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(sched.preempted)))
+        return events
+
+    def _append(self, req: Request, token: int, now: float) -> TokenEvent:
+        req.token_ids.append(token)
+        req.token_times.append(now)
+        reason = None
+        if req.num_output_tokens >= req.params.max_tokens:
+            reason = "length"
+        elif token in req.stop_ids:
+            reason = "stop"
+        elif self.cfg.role == "prefill":
+            reason = "handoff"
+        if reason == "handoff":
+            self.scheduler.remove(req)
+            req.status = Status.HANDOFF            # keeps its blocks until export_kv / release
+        elif reason is not None:
+            self.scheduler.remove(req)
+            self._free(req)
+            req.status, req.finish_reason = Status.FINISHED, reason
+            del self.requests[req.id]
+        return TokenEvent(req.id, token, now, reason)
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+
+    def run(self, max_steps: int | None = None) -> list[TokenEvent]:
+        """Step until no work is left (or `max_steps`); returns every event."""
+        events, steps = [], 0
+        while self.has_work() and (max_steps is None or steps < max_steps):
+            events += self.step()
+            steps += 1
+        return events
+
+    # -- handoff --------------------------------------------------------------------------------
+    def export_kv(self, request_id) -> torch.Tensor:
+        """The prompt's KV of a request in HANDOFF, as one contiguous tensor [L, 2, T, KVH, D]."""
+        req = self.requests[request_id]
+        if req.status is not Status.HANDOFF:
+            raise RuntimeError(f"request {request_id!r} is {req.status.value}, not waiting for handoff")
+        return self.cache.export(req.block_ids, req.num_computed_tokens)
+
+    def release(self, request_id) -> None:
+        """Drop a handed-off request and its blocks (after its KV was exported)."""
+        req = self.requests.pop(request_id)
+        self._free(req)
+        req.status, req.finish_reason = Status.FINISHED, "handoff"
+
+    def can_import(self, num_tokens: int) -> bool:
+        return self.blocks.can_allocate([], num_tokens)
+
+    def import_request(self, request_id, prompt_ids, first_token: int, params: SamplingParams,
+                       kv: torch.Tensor, arrival_time: float | None = None) -> Request:
+        """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here."""
+        self.validate(request_id, prompt_ids, params)
+        if kv.shape[2] != len(prompt_ids):
+            raise InvalidRequest(request_id, f"KV holds {kv.shape[2]} tokens for a {len(prompt_ids)}-token prompt")
+        if not self.can_import(len(prompt_ids)):
+            raise RuntimeError(f"request {request_id!r}: no free KV blocks to import into; check can_import")
+        req = self._new_request(request_id, prompt_ids, params, arrival_time)
+        self.blocks.allocate(req.block_ids, len(prompt_ids))
+        self.cache.import_(req.block_ids, kv)
+        req.token_ids.append(int(first_token))
+        req.num_computed_tokens = len(prompt_ids)
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+        return req

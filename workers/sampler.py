@@ -1,0 +1,34 @@
+"""Next-token choice: greedy rows in one argmax; seeded temperature/top-p rows one by one on the CPU.
+
+Each sampling request owns a CPU generator seeded once, so its tokens do not depend on which
+other requests share its steps, nor on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.request import Request
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)       # [V]
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs   # mass of strictly more likely tokens
+        sorted_probs[before >= top_p] = 0.0              # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits [N, V] float32, one row per request -> N token ids."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, req in enumerate(requests):
+        p = req.params
+        if not p.greedy:
+            tokens[i] = top_p_sample(logits[i], p.temperature, p.top_p, req.generator)
+    return tokens
