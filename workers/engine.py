@@ -211,8 +211,10 @@ class Engine:
                        kv: torch.Tensor, arrival_time: float | None = None) -> Request:
         """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here."""
         self.validate(request_id, prompt_ids, params)
-        if kv.shape[2] != len(prompt_ids):
-            raise InvalidRequest(request_id, f"KV holds {kv.shape[2]} tokens for a {len(prompt_ids)}-token prompt")
+        if kv.dim() != 5 or kv.shape[2] != len(prompt_ids):
+            raise InvalidRequest(request_id, f"KV holds {kv.shape[2] if kv.dim() == 5 else '?'} tokens "
+                                             f"for a {len(prompt_ids)}-token prompt")
+        self.cache.check_importable(kv, len(prompt_ids))
         if not self.can_import(len(prompt_ids)):
             raise RuntimeError(f"request {request_id!r}: no free KV blocks to import into; check can_import")
         req = self._new_request(request_id, prompt_ids, params, arrival_time)

@@ -71,11 +71,14 @@ class KVCache:
         slots = slots_for(block_ids, num_tokens, self.block_size, self.device)
         return self._flat().index_select(2, slots)
 
-    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
+    def check_importable(self, kv: torch.Tensor, num_tokens: int) -> None:
         cfg = self.cfg
-        expected = (cfg.num_layers, 2, kv.shape[2], cfg.num_kv_heads, cfg.head_dim)
+        expected = (cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if tuple(kv.shape) != expected or kv.dtype != self.dtype:
             raise ValueError(f"imported KV has shape {tuple(kv.shape)} {kv.dtype}, "
                              f"this engine expects {expected} {self.dtype}")
+
+    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.check_importable(kv, kv.shape[2])
         slots = slots_for(block_ids, kv.shape[2], self.block_size, self.device)
         self._flat().index_copy_(2, slots, kv.to(self.device))
