@@ -17,7 +17,7 @@ from workers.config import EngineConfig, blocks_for
 from workers.kv_cache import KVCache, num_blocks_for
 from workers.model import Llama
 from workers.model_runner import ModelRunner
-from workers.request import InvalidRequest, Request, SamplingParams, Status
+from workers.request import InvalidRequest, Request, SamplingParams, Status, validate_request
 from workers.sampler import make_generator
 from workers.scheduler import Scheduler
 
@@ -77,33 +77,15 @@ class Engine:
     # -- admission ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_ids, params: SamplingParams) -> None:
         """Raise InvalidRequest naming the request if this engine could never serve it."""
-        def bad(reason):
-            raise InvalidRequest(request_id, reason)
-
         if request_id in self.requests:
-            bad("a request with this id is already in flight")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            bad("empty prompt: prompt_ids must be a non-empty list of token ids")
-        vocab = self.mcfg.vocab_size
-        for i, tok in enumerate(prompt_ids):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-                bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab})")
-        mt = params.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            bad(f"max_tokens={mt!r} must be an integer >= 1")
-        if params.temperature < 0:
-            bad(f"temperature={params.temperature} must be >= 0")
-        if not 0.0 < params.top_p <= 1.0:
-            bad(f"top_p={params.top_p} must be in (0, 1]")
+            raise InvalidRequest(request_id, "a request with this id is already in flight")
+        validate_request(request_id, prompt_ids, params, self.mcfg.vocab_size, self.max_model_len)
         n = len(prompt_ids)
-        if n > self.max_model_len:
-            bad(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        if n + mt > self.max_model_len:
-            bad(f"prompt ({n}) + max_tokens ({mt}) exceeds max_model_len={self.max_model_len}")
-        total = n + 1 if self.cfg.role == "prefill" else n + mt
+        total = n + 1 if self.cfg.role == "prefill" else n + params.max_tokens
         need = blocks_for(total, self.cfg.block_size)
         if need > self.blocks.num_blocks:
-            bad(f"needs {need} KV blocks but this engine's pool has {self.blocks.num_blocks}")
+            raise InvalidRequest(request_id, f"needs {need} KV blocks but this engine's pool has "
+                                             f"{self.blocks.num_blocks}")
 
     def _new_request(self, request_id, prompt_ids, params, arrival_time) -> Request:
         req = Request(id=request_id, prompt_ids=list(prompt_ids), params=params,
@@ -148,6 +130,8 @@ class Engine:
         for chunk, token in zip(sched.chunks, tokens):
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
             if token is not None:
                 events.append(self._append(req, token, end))
         self.trace.append(StepRecord(
@@ -208,18 +192,21 @@ class Engine:
         return self.blocks.can_allocate([], num_tokens)
 
     def import_request(self, request_id, prompt_ids, first_token: int, params: SamplingParams,
-                       kv: torch.Tensor, arrival_time: float | None = None) -> Request:
-        """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here."""
+                       kv: torch.Tensor | list[tuple[int, torch.Tensor]],
+                       arrival_time: float | None = None) -> Request:
+        """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here.
+        `kv` is one [L, 2, T, KVH, D] tensor, or (first layer, tensor) parts covering all layers."""
         self.validate(request_id, prompt_ids, params)
-        if kv.dim() != 5 or kv.shape[2] != len(prompt_ids):
-            raise InvalidRequest(request_id, f"KV holds {kv.shape[2] if kv.dim() == 5 else '?'} tokens "
-                                             f"for a {len(prompt_ids)}-token prompt")
-        self.cache.check_importable(kv, len(prompt_ids))
+        parts = [(0, kv)] if isinstance(kv, torch.Tensor) else list(kv)
+        try:
+            self.cache.check_importable(parts, len(prompt_ids))
+        except ValueError as e:
+            raise InvalidRequest(request_id, str(e)) from None
         if not self.can_import(len(prompt_ids)):
             raise RuntimeError(f"request {request_id!r}: no free KV blocks to import into; check can_import")
         req = self._new_request(request_id, prompt_ids, params, arrival_time)
         self.blocks.allocate(req.block_ids, len(prompt_ids))
-        self.cache.import_(req.block_ids, kv)
+        self.cache.import_(req.block_ids, parts, len(prompt_ids))
         req.token_ids.append(int(first_token))
         req.num_computed_tokens = len(prompt_ids)
         self.requests[request_id] = req

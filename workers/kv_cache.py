@@ -71,14 +71,22 @@ class KVCache:
         slots = slots_for(block_ids, num_tokens, self.block_size, self.device)
         return self._flat().index_select(2, slots)
 
-    def check_importable(self, kv: torch.Tensor, num_tokens: int) -> None:
-        cfg = self.cfg
-        expected = (cfg.num_layers, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
-            raise ValueError(f"imported KV has shape {tuple(kv.shape)} {kv.dtype}, "
-                             f"this engine expects {expected} {self.dtype}")
+    def check_importable(self, parts: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
+        """`parts` are (first layer, [layers, 2, num_tokens, KVH, D]) runs covering every layer in order."""
+        cfg, layer = self.cfg, 0
+        for first, t in parts:
+            expected = (t.shape[0] if t.dim() else 0, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            if first != layer or t.dim() != 5 or tuple(t.shape) != expected or t.shape[0] < 1 or t.dtype != self.dtype:
+                raise ValueError(f"imported KV part at layer {first} has shape {tuple(t.shape)} {t.dtype}; this "
+                                 f"engine expects layers from {layer}, each (2, {num_tokens}, {cfg.num_kv_heads}, "
+                                 f"{cfg.head_dim}) {self.dtype}")
+            layer += t.shape[0]
+        if layer != cfg.num_layers:
+            raise ValueError(f"imported KV covers {layer} layers; this engine expects {cfg.num_layers}")
 
-    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        self.check_importable(kv, kv.shape[2])
-        slots = slots_for(block_ids, kv.shape[2], self.block_size, self.device)
-        self._flat().index_copy_(2, slots, kv.to(self.device))
+    def import_(self, block_ids: list[int], parts: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
+        self.check_importable(parts, num_tokens)
+        slots = slots_for(block_ids, num_tokens, self.block_size, self.device)
+        flat = self._flat()
+        for first, t in parts:
+            flat[first:first + t.shape[0]].index_copy_(2, slots, t.to(self.device))

@@ -47,6 +47,7 @@ class Request:
     status: Status = Status.WAITING
     block_ids: list[int] = field(default_factory=list)   # block table
     token_times: list[float] = field(default_factory=list)  # one per output token made here
+    first_scheduled_time: float | None = None            # start of the first step that computed it here
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: object | None = None                      # torch.Generator for seeded sampling
@@ -80,3 +81,27 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.FAILED)
+
+
+def validate_request(request_id, prompt_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The rules every engine (and the router, before any engine) applies to a request."""
+    def bad(reason):
+        raise InvalidRequest(request_id, reason)
+
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        bad("empty prompt: prompt_ids must be a non-empty list of token ids")
+    for i, tok in enumerate(prompt_ids):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab_size})")
+    mt = params.max_tokens
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        bad(f"max_tokens={mt!r} must be an integer >= 1")
+    if not params.temperature >= 0:
+        bad(f"temperature={params.temperature} must be >= 0")
+    if not 0.0 < params.top_p <= 1.0:
+        bad(f"top_p={params.top_p} must be in (0, 1]")
+    n = len(prompt_ids)
+    if n > max_model_len:
+        bad(f"prompt has {n} tokens, more than max_model_len={max_model_len}")
+    if n + mt > max_model_len:
+        bad(f"prompt ({n}) + max_tokens ({mt}) exceeds max_model_len={max_model_len}")

@@ -1,0 +1,164 @@
+"""The worker pools: one Ray actor per GPU, pinned through a placement group, wired for KV transfer.
+
+Ranks: prefill workers first, then decode workers (colocated: all ranks do both). Bundles are
+ordered p0, d0, p1, d1, ... so that `pack` puts each prefill/decode pair on one node when nodes
+fill up, and `spread` spreads them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import PLACEMENTS, ClusterConfig
+from cluster.ray_cluster import ClusterError, check_resources
+from cluster.transfer.base import TransferConfig
+from workers.config import EngineConfig
+from workers.worker import ModelSpec, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    rank: int
+    role: str
+    index: int          # within its role: "decode:1" is the second decode worker
+    actor: object
+    info: dict = field(default_factory=dict)
+    alive: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+def bundle_order(roles: list[str]) -> list[int]:
+    """Ranks in bundle order: prefill and decode ranks interleaved (p0, d0, p1, d1, ...)."""
+    prefill = [r for r, role in enumerate(roles) if role == "prefill"]
+    decode = [r for r, role in enumerate(roles) if role == "decode"]
+    other = [r for r, role in enumerate(roles) if role == "colocated"]
+    order = []
+    for i in range(max(len(prefill), len(decode))):
+        order += prefill[i:i + 1] + decode[i:i + 1]
+    return order + other
+
+
+class WorkerPool:
+    def __init__(self, cfg: ClusterConfig, spec: ModelSpec, engine_cfg: EngineConfig, transfer: TransferConfig):
+        self.cfg = cfg
+        self.spec = spec
+        self.engine_cfg = engine_cfg
+        self.transfer = transfer
+        self.workers: list[WorkerHandle] = []
+        self._pg = None
+        self._store = None
+
+    # -- bring-up -------------------------------------------------------------------------------
+    def start(self) -> "WorkerPool":
+        check_resources(self.cfg)
+        roles = self.cfg.roles
+        order = bundle_order(roles)
+        bundle = {"GPU": 1} | ({"CPU": self.cfg.cpus_per_worker} if self.cfg.cpus_per_worker else {})
+        self._pg = placement_group([bundle] * len(roles), strategy=PLACEMENTS[self.cfg.placement])
+        if not self._pg.wait(timeout_seconds=self.cfg.startup_timeout_s):
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise ClusterError(f"cluster.placement={self.cfg.placement} cannot place {len(roles)} bundles of "
+                               f"{bundle} within {self.cfg.startup_timeout_s:g} s; cluster resources: "
+                               f"{_resources()}")
+        threads = self.cfg.torch_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // len(roles))
+        remote = ray.remote(Worker)
+        counters: dict[str, int] = {}
+        for bundle_index, rank in enumerate(order):
+            role = roles[rank]
+            index = counters.get(role, 0)
+            counters[role] = index + 1
+            actor = remote.options(
+                num_gpus=1, num_cpus=self.cfg.cpus_per_worker, max_concurrency=16, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
+            ).remote(rank, self.spec, self.engine_cfg.replace(role=role), threads)
+            self.workers.append(WorkerHandle(rank, role, index, actor))
+        self.workers.sort(key=lambda w: w.rank)
+        infos = self._get([w.actor.info.remote() for w in self.workers], "start the workers")
+        for w, info in zip(self.workers, infos):
+            w.info = info
+        if self.cfg.mode == "disaggregated":
+            self._wire()
+        log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
+        return self
+
+    def _get(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.cfg.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise ClusterError(f"workers did not {what} within cluster.startup_timeout_s="
+                               f"{self.cfg.startup_timeout_s:g}") from None
+        except ray.exceptions.RayActorError as e:
+            self.shutdown()
+            raise ClusterError(f"a worker died while trying to {what}: {e}") from None
+
+    def _wire(self) -> None:
+        t = self.transfer
+        prefill, decode = self.by_role("prefill"), self.by_role("decode")
+        local = self.cfg.address is None
+        if t.backend == "zmq":
+            hosts = [t.bind_host if t.bind_host != "auto" else "127.0.0.1" if local else w.info["host"]
+                     for w in decode]
+            addrs = self._get([w.actor.zmq_bind.remote(t, h) for w, h in zip(decode, hosts)], "bind zmq sockets")
+            peers = {w.rank: a for w, a in zip(decode, addrs)}
+            self._get([w.actor.zmq_connect.remote(t, peers) for w in prefill], "connect zmq sockets")
+        else:
+            import torch.distributed as dist
+            host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+            self._store = dist.TCPStore(host, 0, len(self.workers), is_master=True, wait_for_workers=False)
+            pairs = [(p.rank, d.rank) for p in prefill for d in decode]
+            self._get([w.actor.nccl_init.remote(t, len(self.workers), host, self._store.port, pairs)
+                       for w in self.workers], "join the torch.distributed group")
+        self._get([w.actor.start_receiving.remote(t.max_frame_bytes) for w in decode], "start receiving")
+
+    # -- use ------------------------------------------------------------------------------------
+    def by_role(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.role == role]
+
+    def find(self, name: str) -> WorkerHandle:
+        """'decode:0' -> the first decode worker."""
+        role, _, index = name.partition(":")
+        for w in self.workers:
+            if w.role == role and str(w.index) == index:
+                return w
+        raise ValueError(f"no worker {name!r}; workers are {[w.name for w in self.workers]}")
+
+    def kill(self, w: WorkerHandle) -> None:
+        ray.kill(w.actor, no_restart=True)
+
+    def traces(self) -> dict[str, list[dict]]:
+        out = {}
+        for w in self.workers:
+            if not w.alive:
+                continue
+            try:
+                out[w.name] = ray.get(w.actor.trace.remote(), timeout=30)
+            except ray.exceptions.RayError:
+                w.alive = False
+        return out
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        self._store = None
+
+
+def _resources() -> dict:
+    return {k: v for k, v in ray.cluster_resources().items() if k in ("GPU", "CPU")}

@@ -1,0 +1,73 @@
+"""Ray bring-up: an embedded local instance by default, an existing cluster by address.
+
+Every check that can fail is made before any worker starts, and names what is needed and
+what the cluster has; nothing waits for resources that will not come.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from cluster.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot host the asked layout; the message says what is missing."""
+
+
+def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
+    """Start (or join) Ray once per process; returns the cluster's total resources."""
+    if not ray.is_initialized():
+        common = dict(logging_level=logging.ERROR, log_to_driver=cfg.log_to_driver)
+        if cfg.address:
+            # ship the project's packages to every node of an existing cluster
+            ray.init(address=cfg.address, runtime_env={"py_modules": _packages()}, **common)
+        else:
+            import torch
+            gpus = cfg.num_gpus
+            if gpus is None:
+                gpus = torch.cuda.device_count() or cfg.num_workers
+                if not torch.cuda.device_count():
+                    log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
+            ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
+                     _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
+    return ray.cluster_resources()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pythonpath() -> str:
+    """Local workers import the project from the driver's checkout."""
+    return os.pathsep.join(p for p in [ROOT, os.environ.get("PYTHONPATH", "")] if p)
+
+
+def _packages() -> list[str]:
+    return [os.path.join(ROOT, name) for name in ("workers", "cluster", "router", "experiments")]
+
+
+def check_resources(cfg: ClusterConfig) -> None:
+    total = ray.cluster_resources()
+    free = ray.available_resources()
+    need_gpus = cfg.num_workers
+    need_cpus = cfg.num_workers * cfg.cpus_per_worker
+    what = f"cluster.mode={cfg.mode} ({cfg.describe()})"
+    have = f"the Ray cluster has {total.get('GPU', 0):g} GPUs ({free.get('GPU', 0):g} free) and " \
+           f"{total.get('CPU', 0):g} CPUs ({free.get('CPU', 0):g} free)"
+    if total.get("GPU", 0) < need_gpus:
+        raise ClusterError(f"{what} needs {need_gpus} GPUs, one per worker; {have}")
+    if total.get("CPU", 0) < need_cpus:
+        raise ClusterError(f"{what} needs {need_cpus:g} CPUs (cluster.cpus_per_worker="
+                           f"{cfg.cpus_per_worker:g}); {have}")
+    if free.get("GPU", 0) < need_gpus or free.get("CPU", 0) < need_cpus:
+        raise ClusterError(f"{what} needs {need_gpus} free GPUs and {need_cpus:g} free CPUs; {have}: "
+                           "other jobs hold the rest")
+
+
+def stop_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

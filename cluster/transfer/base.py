@@ -1,0 +1,76 @@
+"""The KV-transfer interface both wires implement, and the config that picks one.
+
+A sender worker owns one `Channel` per destination and uses it from one thread; a receiver
+worker starts receiving once and gets each complete request through a callback, as a list of
+(first layer, tensor) parts that together cover all layers: zero-copy views where the wire
+allows it. The receiving engine scatters them into its pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from cluster.transfer.wire import Expect, KVHandoff
+
+BACKENDS = ("nccl", "zmq")
+
+
+class TransferTimeout(TimeoutError):
+    pass
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "zmq"
+    timeout_s: float = 10.0             # a handoff not imported by then is retried (router)
+    chunk_bytes: int = 8 << 20          # zmq: frames of about this size, whole layers each
+    max_frame_bytes: int = 256 << 20    # zmq and nccl: largest payload frame a receiver accepts
+    bind_host: str = "auto"             # zmq: auto = loopback for a local cluster, else the node's IP
+    port: int = 0                       # zmq: 0 = any free port
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"transfer.backend={self.backend!r}: choose one of {list(BACKENDS)}")
+        if self.bind_host in ("0.0.0.0", "*", "::"):
+            raise ValueError(f"transfer.bind_host={self.bind_host!r}: binding to all interfaces is refused; "
+                             "give this node's address")
+        for key in ("timeout_s", "chunk_bytes", "max_frame_bytes"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"transfer.{key}={getattr(self, key)} must be positive")
+
+
+@dataclass
+class Arrival:
+    handoff: KVHandoff
+    parts: list[tuple[int, torch.Tensor]]   # (first layer, [layers, 2, T, KVH, D]) covering all layers
+    nbytes: int
+    recv_s: float                           # first byte of the payload to the last
+    src: int
+
+
+Deliver = Callable[[Arrival], None]
+ReportError = Callable[[str], None]
+
+
+class Channel(Protocol):
+    def send(self, handoff: KVHandoff, kv: torch.Tensor) -> float:
+        """Send one request's KV; returns seconds spent; raises on failure or timeout."""
+
+
+class Transport(Protocol):
+    name: str
+
+    def channel(self, dst: int) -> Channel: ...
+
+    def start_receiving(self, expect: Expect, deliver: Deliver, report_error: ReportError) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def layer_chunks(kv: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Split [layers, ...] into runs of whole layers of at most chunk_bytes (at least one layer)."""
+    per_layer = kv[0].numel() * kv.element_size()
+    step = max(1, chunk_bytes // max(per_layer, 1))
+    return [(l0, min(l0 + step, kv.shape[0])) for l0 in range(0, kv.shape[0], step)]

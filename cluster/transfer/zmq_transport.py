@@ -1,0 +1,190 @@
+"""KV over ZeroMQ: msgpack headers and raw tensor frames, zero-copy on both ends, streamed in chunks.
+
+Each receiving worker binds one PULL socket to its own address; each sender connects one PUSH
+socket per destination. A request travels as a "begin" message (the handoff header) and then one
+message per run of layers, each naming its request, so chunks from several senders may
+interleave. Sender frames point into the tensor's memory (copy=False, tracked until libzmq is
+done with them); receiver frames are wrapped as tensors without copying.
+
+    begin: [b"B", header]                              header = KVHandoff (msgpack)
+    chunk: [b"C", msgpack([request_id, index, first_layer, end_layer]), raw bytes]
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+
+import msgpack
+import torch
+import zmq
+
+from cluster.transfer.base import Arrival, TransferConfig, TransferTimeout, layer_chunks
+from cluster.transfer.wire import WIRE_DTYPES, Expect, KVHandoff, WireError, decode_header
+
+
+def _as_bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+class ZmqChannel:
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransferConfig):
+        self.cfg = cfg
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(address)
+
+    def send(self, handoff: KVHandoff, kv: torch.Tensor) -> float:
+        kv = kv.cpu().contiguous() if kv.device.type != "cpu" else kv.contiguous()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        start = time.perf_counter()
+        self.sock.send_multipart([b"B", handoff.encode()])
+        trackers = []
+        for index, (l0, l1) in enumerate(layer_chunks(kv, self.cfg.chunk_bytes)):
+            meta = msgpack.packb([handoff.request_id, index, l0, l1])
+            self.sock.send_multipart([b"C", meta], flags=zmq.SNDMORE)
+            trackers.append(self.sock.send(_as_bytes_view(kv[l0:l1]), copy=False, track=True))
+        for tracker in trackers:      # libzmq holds our memory until each frame is on the wire
+            left = deadline - time.monotonic()
+            if left <= 0 or not _wait(tracker, left):
+                raise TransferTimeout(f"zmq send of {handoff.request_id} not done in {self.cfg.timeout_s} s")
+        return time.perf_counter() - start
+
+    def close(self):
+        self.sock.close(linger=0)
+
+
+def _wait(tracker: zmq.MessageTracker, timeout_s: float) -> bool:
+    try:
+        tracker.wait(timeout_s)
+        return True
+    except zmq.NotDone:
+        return False
+
+
+class _Assembly:
+    """One request's chunks arriving in order."""
+
+    def __init__(self, handoff: KVHandoff, started: float):
+        self.handoff = handoff
+        self.started = started
+        self.next_layer = 0
+        self.parts: list[tuple[int, torch.Tensor]] = []
+        dtype = WIRE_DTYPES[handoff.dtype]
+        self.dtype = dtype
+        self.layer_shape = handoff.shape[1:]
+        self.layer_bytes = math.prod(self.layer_shape) * torch.tensor([], dtype=dtype).element_size()
+
+
+class ZmqTransport:
+    name = "zmq"
+
+    def __init__(self, cfg: TransferConfig, host: str, peers: dict[int, str] | None = None):
+        self.cfg = cfg
+        self.host = host
+        self.peers = dict(peers or {})     # rank -> address of its receiving socket
+        self.ctx = zmq.Context.instance()
+        self.address: str | None = None
+        self._pull: zmq.Socket | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def bind(self) -> str:
+        """Bind the receiving socket to this node's address; returns where senders connect."""
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes + (1 << 20))
+        if self.cfg.port:
+            sock.bind(f"tcp://{self.host}:{self.cfg.port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{self.host}")
+        self._pull = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.address
+
+    def connect(self, peers: dict[int, str]) -> None:
+        self.peers.update(peers)
+
+    def channel(self, dst: int) -> ZmqChannel:
+        if dst not in self.peers:
+            raise KeyError(f"no zmq address for worker rank {dst}")
+        return ZmqChannel(self.ctx, self.peers[dst], self.cfg)
+
+    def start_receiving(self, expect: Expect, deliver, report_error) -> None:
+        if self._pull is None:
+            self.bind()
+        self._thread = threading.Thread(target=self._receive_loop, args=(expect, deliver, report_error),
+                                        name="kv-recv-zmq", daemon=True)
+        self._thread.start()
+
+    def _receive_loop(self, expect: Expect, deliver, report_error) -> None:
+        pending: dict[str, _Assembly] = {}
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                self._drop_stale(pending, report_error)
+                continue
+            frames = self._pull.recv_multipart(copy=False)
+            try:
+                done = self._on_message(frames, pending, expect)
+            except WireError as e:
+                report_error(f"zmq: rejected message: {e}")
+                continue
+            if done is not None:
+                deliver(done)
+
+    def _on_message(self, frames, pending: dict[str, _Assembly], expect: Expect) -> Arrival | None:
+        tag = frames[0].bytes
+        if tag == b"B":
+            if len(frames) != 2:
+                raise WireError(f"begin message with {len(frames)} frames, expected 2")
+            handoff = decode_header(frames[1].bytes, expect)
+            asm = _Assembly(handoff, time.perf_counter())
+            if asm.layer_bytes > expect.max_frame_bytes:
+                raise WireError(f"{handoff.request_id}: one layer of {asm.layer_bytes} bytes exceeds the "
+                                f"frame limit {expect.max_frame_bytes}")
+            pending[handoff.request_id] = asm
+            return None
+        if tag != b"C" or len(frames) != 3:
+            raise WireError(f"unknown message tag {tag[:8]!r} with {len(frames)} frames")
+        try:
+            rid, index, l0, l1 = msgpack.unpackb(frames[1].bytes, raw=False, max_bin_len=0)
+        except Exception as e:
+            raise WireError(f"chunk header is not [request_id, index, first_layer, end_layer]: {e}") from None
+        asm = pending.get(rid) if isinstance(rid, str) else None
+        if asm is None:
+            raise WireError(f"chunk for unknown request {rid!r}")
+        frame = frames[2]
+        size = len(frame.buffer)
+        expected = (l1 - l0) * asm.layer_bytes if isinstance(l0, int) and isinstance(l1, int) else -1
+        if index != len(asm.parts) or l0 != asm.next_layer or not l0 < l1 <= asm.handoff.shape[0] \
+                or size != expected:
+            pending.pop(rid)
+            raise WireError(f"{rid}: chunk {index} layers [{l0}, {l1}) of {size} bytes does not follow "
+                            f"layer {asm.next_layer} ({expected} bytes expected)")
+        with warnings.catch_warnings():   # read-only frame memory: we only ever read it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+        asm.parts.append((l0, flat.view(asm.dtype).view(l1 - l0, *asm.layer_shape)))
+        asm.next_layer = l1
+        if l1 < asm.handoff.shape[0]:
+            return None
+        del pending[rid]
+        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, src=-1)
+
+    def _drop_stale(self, pending: dict[str, _Assembly], report_error) -> None:
+        now = time.perf_counter()
+        for rid in [r for r, a in pending.items() if now - a.started > self.cfg.timeout_s]:
+            del pending[rid]
+            report_error(f"zmq: {rid}: incomplete after {self.cfg.timeout_s} s, dropped")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._pull is not None:
+            self._pull.close(linger=0)

@@ -1,0 +1,50 @@
+"""Which worker gets a request: small classes behind a name. Adding one touches this file only.
+
+The router keeps each worker's load from what it has assigned (exact and never stale):
+outstanding prompt tokens, running requests, and KV tokens held.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerLoad:
+    name: str
+    kv_capacity_tokens: int
+    prompt_tokens: int = 0      # assigned prompts not yet prefilled
+    running: int = 0            # requests it decodes (or serves whole) that have not finished
+    kv_tokens: int = 0          # tokens of those requests' KV: prompt plus tokens so far
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.kv_tokens / max(self.kv_capacity_tokens, 1)
+
+
+class RoundRobin:
+    def __init__(self):
+        self._next = 0
+
+    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
+        chosen = loads[self._next % len(loads)]
+        self._next += 1
+        return chosen
+
+
+class LeastPromptTokens:
+    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
+        return min(loads, key=lambda w: (w.prompt_tokens, w.running))
+
+
+class LeastKV:
+    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
+        return min(loads, key=lambda w: (w.kv_fraction, w.running))
+
+
+class FewestRunning:
+    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
+        return min(loads, key=lambda w: (w.running, w.kv_fraction))
+
+
+PREFILL_POLICIES = {"round_robin": RoundRobin, "least_prompt_tokens": LeastPromptTokens}
+DECODE_POLICIES = {"least_kv": LeastKV, "fewest_running": FewestRunning}

@@ -1,0 +1,317 @@
+"""A request's journey: admission, choice of workers, the handoff, the token stream, retries.
+
+One thread per worker long-polls it and stamps every token with the router's clock when it
+arrives (so TTFT and inter-token latency are what a client sees); a watchdog thread times out
+lost transfers and overdue requests. All state is guarded by one lock.
+
+Each try of a request is an *attempt* with its own id on the workers ("<id>#<n>"); events of a
+superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
+and asks for the rest, so the client's stream continues without repeats.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.pool import WorkerHandle, WorkerPool
+from cluster.transfer.base import TransferConfig
+from router.config import FaultConfig, RouterConfig
+from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
+from router.records import RequestRecord
+from workers.request import InvalidRequest, SamplingParams, validate_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Attempt:
+    aid: str
+    record: RequestRecord
+    kind: str                      # colocated | local (prefilled on its decode worker) | handoff
+    prefill: WorkerHandle          # computes the prompt
+    decode: WorkerHandle           # makes the remaining tokens (the same worker unless handoff)
+    prompt_len: int                # prompt + tokens streamed before this attempt
+    submitted_at: float
+    phase: str = "prefill"         # prefill -> (transfer ->) decode
+    handoff_at: float | None = None
+    first_token_worker_time: float | None = None
+    decode_start: float | None = None
+    sent: bool = False
+    num_tokens: int = 0
+    early: list = field(default_factory=list)
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, cfg: RouterConfig = RouterConfig(), transfer: TransferConfig = TransferConfig(),
+                 faults: FaultConfig = FaultConfig(), clock=time.time):
+        self.pool, self.cfg, self.transfer, self.faults, self.clock = pool, cfg, transfer, faults, clock
+        self.mode = pool.cfg.mode
+        info = pool.workers[0].info
+        self.vocab_size, self.max_model_len = info["vocab_size"], min(w.info["max_model_len"] for w in pool.workers)
+        self.loads = {w.rank: WorkerLoad(w.name, w.info["num_kv_blocks"] * w.info["block_size"]) for w in pool.workers}
+        self.prefill_policy = PREFILL_POLICIES[cfg.prefill_policy]()
+        self.decode_policy = DECODE_POLICIES[cfg.decode_policy]()
+        self.records: dict[str, RequestRecord] = {}
+        self._params: dict[str, dict] = {}
+        self._attempts: dict[str, Attempt] = {}
+        self._num_handoffs = 0
+        self.transport_errors: list[str] = []
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._victim = pool.find(faults.kill_worker) if faults.kill_worker else None
+
+    # -- public ---------------------------------------------------------------------------------
+    def start(self) -> "Router":
+        for w in self.pool.workers:
+            self._spawn(self._poll_loop, w, name=f"poll-{w.name}")
+        self._spawn(self._watchdog, name="router-watchdog")
+        if self._victim is not None:
+            timer = threading.Timer(self.faults.kill_after_s, self._kill_victim)
+            timer.daemon = True
+            timer.start()
+        return self
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestRecord:
+        with self._lock:
+            if request_id in self.records:
+                raise InvalidRequest(request_id, "a request with this id was already submitted")
+            rec = RequestRecord(str(request_id), list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
+                                params.max_tokens, self.clock())
+            self.records[rec.id] = rec
+            try:
+                validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)
+            except InvalidRequest as e:
+                self._fail(rec, f"rejected: {e.reason}")
+                return rec
+            self._params[rec.id] = {"temperature": float(params.temperature), "top_p": float(params.top_p),
+                                    "seed": params.seed, "stop_token_ids": list(params.stop_token_ids),
+                                    "ignore_eos": params.ignore_eos}
+            self._dispatch(rec)
+            return rec
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until every submitted request has ended; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while any(not r.done for r in self.records.values()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left if left is not None else 1.0)
+        return True
+
+    def stream(self, request_id: str):
+        """Yield (token, router time) as they arrive, until the request ends."""
+        seen = 0
+        with self._lock:
+            rec = self.records[request_id]
+            while True:
+                while seen < len(rec.output_ids):
+                    yield rec.output_ids[seen], rec.token_times[seen]
+                    seen += 1
+                if rec.done:
+                    return
+                self._lock.wait(1.0)
+
+    def progress(self) -> dict:
+        with self._lock:
+            recs = list(self.records.values())
+            return {"submitted": len(recs), "ok": sum(r.status == "ok" for r in recs),
+                    "failed": sum(r.status == "failed" for r in recs), "tokens": sum(len(r.output_ids) for r in recs)}
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.cfg.poll_timeout_s + 5)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _live(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.pool.workers if w.role == role and w.alive]
+
+    def _choose(self, policy, role: str, prompt_len: int) -> WorkerHandle | None:
+        live = self._live(role)
+        if not live:
+            return None
+        load = policy.choose([self.loads[w.rank] for w in live], prompt_len)
+        return next(w for w in live if self.loads[w.rank] is load)
+
+    def _dispatch(self, rec: RequestRecord) -> None:
+        prompt = rec.prompt_ids + rec.output_ids
+        n = len(prompt)
+        if self.mode == "colocated":
+            decode = prefill = self._choose(self.prefill_policy, "colocated", n)
+            kind = "colocated"
+        else:
+            decode = self._choose(self.decode_policy, "decode", n)
+            kind = "local" if n < self.cfg.conditional_threshold else "handoff"
+            prefill = decode if kind == "local" else self._choose(self.prefill_policy, "prefill", n)
+        if decode is None or prefill is None:
+            role = "colocated" if self.mode == "colocated" else "decode" if decode is None else "prefill"
+            return self._fail(rec, f"no live {role} worker left")
+        rec.attempts += 1
+        att = Attempt(f"{rec.id}#{rec.attempts}", rec, kind, prefill, decode, n, self.clock())
+        self._attempts[att.aid] = att
+        rec.prefill_worker, rec.decode_worker = prefill.name, decode.name
+        self.loads[prefill.rank].prompt_tokens += n
+        self.loads[decode.rank].running += 1
+        self.loads[decode.rank].kv_tokens += n
+        drop = False
+        if kind == "handoff":
+            self._num_handoffs += 1
+            drop = rec.attempts == 1 and self._num_handoffs == self.faults.timeout_transfer_of
+        params = dict(self._params[rec.id], max_tokens=rec.max_tokens - len(rec.output_ids))
+        prefill.actor.submit.remote(att.aid, prompt, params, decode.rank if kind == "handoff" else None, drop)
+
+    def _drop(self, att: Attempt) -> None:
+        """Forget an attempt: release its load and tell live workers to drop it."""
+        if self._attempts.pop(att.aid, None) is None:
+            return
+        if att.phase == "prefill":
+            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
+        load = self.loads[att.decode.rank]
+        load.running -= 1
+        load.kv_tokens -= att.prompt_len + att.num_tokens
+        for w in {att.prefill, att.decode}:
+            if w.alive:
+                w.actor.abort.remote(att.aid)
+
+    def _finish(self, att: Attempt, finish_reason: str) -> None:
+        self._drop(att)
+        att.record.status, att.record.finish_reason = "ok", finish_reason
+        self._lock.notify_all()
+
+    def _fail(self, rec: RequestRecord, reason: str) -> None:
+        rec.status, rec.reason = "failed", reason
+        log.warning("request %s failed: %s", rec.id, reason)
+        self._lock.notify_all()
+
+    def _retry(self, att: Attempt, reason: str) -> None:
+        if att.aid not in self._attempts:
+            return
+        self._drop(att)
+        rec = att.record
+        if rec.attempts > self.cfg.max_retries:
+            return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
+                                   f"{self.cfg.max_retries})")
+        log.info("retrying %s: %s", rec.id, reason)
+        self._dispatch(rec)
+
+    # -- events ---------------------------------------------------------------------------------
+    def _on_event(self, w: WorkerHandle, ev: dict, now: float) -> None:
+        kind = ev["kind"]
+        if kind == "step":
+            return self._on_step(w, ev, now)
+        if kind == "transport_error":
+            self.transport_errors.append(f"{w.name}: {ev['message']}")
+            log.warning("%s: %s", w.name, ev["message"])
+            return
+        if kind == "fatal":
+            return self._on_dead(w, f"worker {w.name} failed: {ev['message'].strip().splitlines()[-1]}")
+        att = self._attempts.get(ev["rid"])
+        if att is None:
+            return
+        if kind == "rejected":
+            self._drop(att)
+            self._fail(att.record, f"rejected by {w.name}: {ev['reason']}")
+        elif kind == "sent":
+            att.sent = True
+            att.record.transfer_s, att.record.transfer_bytes = ev["seconds"], ev["bytes"]
+        elif kind == "imported":
+            att.phase = "decode"
+        elif kind in ("send_failed", "import_failed"):
+            self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
+
+    def _on_step(self, w: WorkerHandle, ev: dict, now: float) -> None:
+        for aid, token, finish in ev["tokens"]:
+            att = self._attempts.get(aid)
+            if att is None:
+                continue
+            if att.phase == "prefill" and w is not att.prefill:
+                # the decode worker's tokens overtook the prefill worker's first token: hold them
+                att.early.append((w, token, finish, ev, now))
+                continue
+            self._on_token(att, w, token, finish, ev, now)
+            if att.early and att.phase != "prefill":
+                for early in att.early:
+                    self._on_token(att, *early)
+                att.early.clear()
+        self._lock.notify_all()
+
+    def _on_token(self, att: Attempt, w: WorkerHandle, token: int, finish, ev: dict, now: float) -> None:
+        rec, end = att.record, ev["end"]
+        rec.output_ids.append(token)
+        rec.token_times.append(now)
+        rec.worker_token_times.append(end)
+        att.num_tokens += 1
+        self.loads[att.decode.rank].kv_tokens += 1
+        started = ev["first_scheduled"].get(att.aid)
+        if att.phase == "prefill":
+            if started is not None:
+                rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
+            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
+            att.phase = "transfer" if finish == "handoff" else "decode"
+            att.handoff_at, att.first_token_worker_time = now, end
+            if finish != "handoff":
+                att.decode_start = end
+        elif started is not None and att.kind == "handoff":   # decode worker's first step with it
+            att.decode_start = started
+            rec.handoff_s = started - att.first_token_worker_time
+        if finish in ("length", "stop"):
+            rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+            self._finish(att, finish)
+
+    def _on_dead(self, w: WorkerHandle, reason: str) -> None:
+        if not w.alive:
+            return
+        w.alive = False
+        log.warning("%s", reason)
+        for att in list(self._attempts.values()):
+            lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
+            if att.decode is w or lost_prompt:
+                self._retry(att, reason)
+
+    # -- threads --------------------------------------------------------------------------------
+    def _spawn(self, target, *args, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _poll_loop(self, w: WorkerHandle) -> None:
+        while not self._stop.is_set() and w.alive:
+            try:
+                reply = ray.get(w.actor.poll.remote(self.cfg.poll_timeout_s), timeout=self.cfg.poll_timeout_s + 30)
+            except ray.exceptions.RayError as e:
+                with self._lock:
+                    self._on_dead(w, f"worker {w.name} died ({type(e).__name__})")
+                return
+            now = self.clock()
+            if reply["events"]:
+                with self._lock:
+                    for ev in reply["events"]:
+                        try:
+                            self._on_event(w, ev, now)
+                        except Exception:   # a router bug must not silence this worker's stream
+                            log.exception("router error on %s event from %s", ev.get("kind"), w.name)
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.05):
+            now = self.clock()
+            with self._lock:
+                for att in list(self._attempts.values()):
+                    if att.phase == "transfer" and not att.sent and now - att.handoff_at > self.transfer.timeout_s:
+                        self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
+                                         f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
+                for rec in self.records.values():
+                    if not rec.done and now - rec.arrival_s > self.cfg.request_timeout_s:
+                        for att in [a for a in self._attempts.values() if a.record is rec]:
+                            self._drop(att)
+                        self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.request_timeout_s:g}")
+
+    def _kill_victim(self) -> None:
+        log.warning("fault injection: killing %s", self._victim.name)
+        self.pool.kill(self._victim)

@@ -1,0 +1,260 @@
+"""One worker per GPU: an engine, the thread that steps it, and its ends of the KV wires.
+
+Runs inside a threaded Ray actor (see cluster/pool.py). Only the loop thread touches the engine;
+remote calls put work in an inbox and read events from an outbox. `poll` is a long poll: it
+returns every event since the last poll (whole steps' tokens at once), or waits for the next.
+
+Events (plain dicts, one per kind):
+    step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
+    rejected  rid, reason                         the engine refused the request
+    sent      rid, dst, bytes, seconds, start     KV handed to the wire and delivered to it
+    send_failed rid, dst, reason
+    imported  rid, bytes, recv_s, time            KV arrived and is in this engine's pool
+    import_failed rid, reason
+    transport_error message
+    fatal     message                             the loop died; the worker is out of service
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from cluster.transfer.base import Arrival, TransferConfig
+from cluster.transfer.wire import Expect, handoff_for
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.request import InvalidRequest, SamplingParams
+from workers.weights import build_model, parse_device, parse_dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: str | None = "tiny"           # preset with random weights ...
+    checkpoint: str | None = None        # ... or a local Hugging Face directory
+    dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    seed: int = 0
+
+
+class Worker:
+    def __init__(self, rank: int, spec: ModelSpec, engine_cfg: EngineConfig, torch_threads: int = 0):
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.rank = rank
+        self.role = engine_cfg.role
+        device = parse_device(spec.device)
+        dtype = parse_dtype("bfloat16" if spec.dtype == "auto" and device.type == "cuda"
+                            else "float32" if spec.dtype == "auto" else spec.dtype)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model = build_model(model=spec.model if spec.checkpoint is None else None,
+                            checkpoint=spec.checkpoint, dtype=dtype, device=device, seed=spec.seed)
+        self.engine = Engine(model, engine_cfg)
+        self.transport = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._events: list[dict] = []
+        self._cond = threading.Condition()
+        self._senders: dict[int, queue.Queue] = {}
+        self._arrivals: list[Arrival] = []            # waiting for free blocks (loop thread only)
+        self._dst: dict[str, int] = {}                # prefill role: where each request's KV goes
+        self._drop: set[str] = set()                  # fault injection: transfers that never happen
+        self._aborted: set[str] = set()
+        self._alive = True
+        self._loop = threading.Thread(target=self._run, name=f"engine-{rank}", daemon=True)
+        self._loop.start()
+
+    # -- remote API -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        e = self.engine
+        return {"rank": self.rank, "role": self.role, "pid": os.getpid(), "host": _node_ip(),
+                "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
+                "gpu": torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else None,
+                "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
+                "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size,
+                "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
+                "torch_threads": torch.get_num_threads()}
+
+    def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
+        from cluster.transfer.zmq_transport import ZmqTransport
+        self.transport = ZmqTransport(cfg, host)
+        return self.transport.bind()
+
+    def zmq_connect(self, cfg: TransferConfig, peers: dict[int, str]) -> None:
+        from cluster.transfer.zmq_transport import ZmqTransport
+        if self.transport is None:
+            self.transport = ZmqTransport(cfg, "127.0.0.1")
+        self.transport.connect(peers)
+
+    def nccl_init(self, cfg: TransferConfig, world_size: int, store_host: str, store_port: int,
+                  pairs: list[tuple[int, int]]) -> None:
+        from cluster.transfer.nccl_transport import NcclTransport
+        self.transport = NcclTransport(cfg, self.rank, world_size, store_host, store_port, pairs,
+                                       self.engine.device)
+
+    def start_receiving(self, max_frame_bytes: int) -> None:
+        expect = Expect.for_engine(self.engine, max_frame_bytes)
+        self.transport.start_receiving(expect, lambda a: self._inbox.put(("arrival", a)),
+                                       lambda msg: self._emit({"kind": "transport_error", "message": msg}))
+
+    def submit(self, rid: str, prompt_ids: list[int], params: dict, dst: int | None = None,
+               drop_transfer: bool = False) -> None:
+        self._inbox.put(("submit", rid, prompt_ids, params, dst, drop_transfer, time.time()))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def poll(self, timeout_s: float = 0.5) -> dict:
+        with self._cond:
+            if not self._events:
+                self._cond.wait(timeout_s)
+            events, self._events = self._events, []
+        e = self.engine
+        load = {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "kv_used": e.blocks.num_used, "kv_total": e.blocks.num_blocks,
+                "pending_imports": len(self._arrivals)}
+        return {"events": events, "load": load, "now": time.time()}
+
+    def trace(self) -> list[dict]:
+        return [s.to_dict() for s in list(self.engine.trace)]
+
+    def ping(self) -> float:
+        return time.time()
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _emit(self, event: dict) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while self._alive:
+                idle = not (self.engine.has_work() or self._arrivals)
+                try:
+                    item = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    self._handle(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                self._import_arrivals()
+                if self.engine.has_work():
+                    self._step()
+        except Exception:
+            self._emit({"kind": "fatal", "message": traceback.format_exc(limit=8)})
+            self._alive = False
+
+    def _handle(self, item) -> None:
+        kind = item[0]
+        if kind == "submit":
+            _, rid, prompt_ids, params, dst, drop, t = item
+            try:
+                self.engine.add_request(rid, prompt_ids, _params(rid, params), arrival_time=t)
+            except InvalidRequest as e:
+                self._emit({"kind": "rejected", "rid": rid, "reason": e.reason})
+                return
+            if dst is not None:
+                self._dst[rid] = dst
+            if drop:
+                self._drop.add(rid)
+        elif kind == "abort":
+            rid = item[1]
+            self._aborted.add(rid)
+            self.engine.abort(rid)
+            self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
+        elif kind == "arrival":
+            arrival = item[1]
+            if arrival.handoff.request_id not in self._aborted:
+                self._arrivals.append(arrival)
+
+    def _import_arrivals(self) -> None:
+        keep = []
+        for a in self._arrivals:
+            h = a.handoff
+            if not keep and self.engine.can_import(len(h.prompt_ids)):   # in arrival order
+                try:
+                    self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.sampling, a.parts)
+                    self._emit({"kind": "imported", "rid": h.request_id, "bytes": a.nbytes,
+                                "recv_s": a.recv_s, "time": time.time()})
+                except (InvalidRequest, ValueError) as e:
+                    self._emit({"kind": "import_failed", "rid": h.request_id, "reason": str(e)})
+            else:
+                keep.append(a)
+        self._arrivals = keep
+
+    def _step(self) -> None:
+        events = self.engine.step()
+        if not events:
+            return
+        first_scheduled, tokens, handoffs = {}, [], []
+        for ev in events:
+            tokens.append([ev.request_id, ev.token, ev.finish_reason])
+            req = self.engine.requests.get(ev.request_id)
+            if req is not None and len(req.token_times) == 1:
+                first_scheduled[ev.request_id] = req.first_scheduled_time
+            if ev.finish_reason == "handoff":
+                handoffs.append(ev)
+        self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+        for ev in handoffs:
+            self._hand_off(ev.request_id, ev.time)
+
+    def _hand_off(self, rid: str, first_token_time: float) -> None:
+        req = self.engine.requests[rid]
+        dst = self._dst.pop(rid, None)
+        if rid in self._drop or dst is None:           # fault injection: this transfer never happens
+            self._drop.discard(rid)
+            self.engine.release(rid)
+            return
+        kv = self.engine.export_kv(rid)
+        if kv.device.type == "cuda":
+            torch.cuda.current_stream(kv.device).synchronize()
+        handoff = handoff_for(req, kv, first_token_time)
+        self.engine.release(rid)
+        self._sender(dst).put((handoff, kv))
+
+    def _sender(self, dst: int) -> queue.Queue:
+        if dst not in self._senders:
+            q: queue.Queue = queue.Queue()
+            threading.Thread(target=self._send_loop, args=(dst, q), name=f"kv-send-{dst}", daemon=True).start()
+            self._senders[dst] = q
+        return self._senders[dst]
+
+    def _send_loop(self, dst: int, q: queue.Queue) -> None:
+        channel = self.transport.channel(dst)
+        while True:
+            handoff, kv = q.get()
+            start = time.time()
+            try:
+                seconds = channel.send(handoff, kv)
+            except Exception as e:
+                self._emit({"kind": "send_failed", "rid": handoff.request_id, "dst": dst,
+                            "reason": f"{type(e).__name__}: {e}"})
+                continue
+            self._emit({"kind": "sent", "rid": handoff.request_id, "dst": dst, "bytes": handoff.nbytes,
+                        "seconds": seconds, "start": start})
+
+
+def _params(rid, params: dict) -> SamplingParams:
+    try:
+        p = dict(params)
+        p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
+        return SamplingParams(**p)
+    except TypeError as e:
+        raise InvalidRequest(rid, f"bad sampling parameters: {e}") from None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
