@@ -23,6 +23,8 @@ class RequestRecord:
     transfer_s: float | None = None                    # sender's wire time for the KV
     transfer_bytes: int = 0
     handoff_s: float | None = None                     # first token -> decode worker's first step with it
+    kv_send_start: float | None = None                 # prefill worker's clock: KV send began
+    kv_arrived: float | None = None                    # decode worker's clock: last KV byte in
     decode_s: float | None = None                      # decode worker's first step -> last token
     worker_token_times: list[float] = field(default_factory=list)  # worker clock: when each token was made
 

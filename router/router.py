@@ -4,7 +4,7 @@ One thread per worker long-polls it and stamps every token with the router's clo
 arrives (so TTFT and inter-token latency are what a client sees); a watchdog thread times out
 lost transfers and overdue requests. All state is guarded by one lock.
 
-Each try of a request is an *attempt* with its own id on the workers ("<id>#<n>"); events of a
+Each try of a request is an *attempt* with its own id on the workers ("<router>:<id>#<n>"); events of a
 superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
 and asks for the rest, so the client's stream continues without repeats.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -64,6 +65,7 @@ class Router:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._victim = pool.find(faults.kill_worker) if faults.kill_worker else None
+        self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> "Router":
@@ -154,7 +156,7 @@ class Router:
             role = "colocated" if self.mode == "colocated" else "decode" if decode is None else "prefill"
             return self._fail(rec, f"no live {role} worker left")
         rec.attempts += 1
-        att = Attempt(f"{rec.id}#{rec.attempts}", rec, kind, prefill, decode, n, self.clock())
+        att = Attempt(f"{self._tag}:{rec.id}#{rec.attempts}", rec, kind, prefill, decode, n, self.clock())
         self._attempts[att.aid] = att
         rec.prefill_worker, rec.decode_worker = prefill.name, decode.name
         self.loads[prefill.rank].prompt_tokens += n
@@ -167,8 +169,8 @@ class Router:
         params = dict(self._params[rec.id], max_tokens=rec.max_tokens - len(rec.output_ids))
         prefill.actor.submit.remote(att.aid, prompt, params, decode.rank if kind == "handoff" else None, drop)
 
-    def _drop(self, att: Attempt) -> None:
-        """Forget an attempt: release its load and tell live workers to drop it."""
+    def _drop(self, att: Attempt, abort: bool = True) -> None:
+        """Forget an attempt: release its load and (unless it finished) tell live workers to drop it."""
         if self._attempts.pop(att.aid, None) is None:
             return
         if att.phase == "prefill":
@@ -176,12 +178,12 @@ class Router:
         load = self.loads[att.decode.rank]
         load.running -= 1
         load.kv_tokens -= att.prompt_len + att.num_tokens
-        for w in {att.prefill, att.decode}:
+        for w in {att.prefill, att.decode} if abort else ():
             if w.alive:
                 w.actor.abort.remote(att.aid)
 
     def _finish(self, att: Attempt, finish_reason: str) -> None:
-        self._drop(att)
+        self._drop(att, abort=False)
         att.record.status, att.record.finish_reason = "ok", finish_reason
         self._lock.notify_all()
 
@@ -220,9 +222,11 @@ class Router:
             self._fail(att.record, f"rejected by {w.name}: {ev['reason']}")
         elif kind == "sent":
             att.sent = True
-            att.record.transfer_s, att.record.transfer_bytes = ev["seconds"], ev["bytes"]
+            rec = att.record
+            rec.transfer_s, rec.transfer_bytes, rec.kv_send_start = ev["seconds"], ev["bytes"], ev["start"]
         elif kind == "imported":
             att.phase = "decode"
+            att.record.kv_arrived = ev["arrived"]
         elif kind in ("send_failed", "import_failed"):
             self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
 

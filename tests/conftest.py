@@ -46,3 +46,15 @@ def hf_pair(request, tmp_path_factory):
 def random_prompts(n: int, vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rnd = random.Random(seed)
     return [[rnd.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """An embedded Ray with fake GPUs (16, so several pools can coexist); torch runs on CPU."""
+    from cluster.config import ClusterConfig
+    from cluster.ray_cluster import start_ray, stop_ray
+
+    start_ray(ClusterConfig(num_gpus=16, num_cpus=2, log_to_driver=False),
+              temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    stop_ray()

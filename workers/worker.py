@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -44,6 +45,9 @@ class ModelSpec:
 
 class Worker:
     def __init__(self, rank: int, spec: ModelSpec, engine_cfg: EngineConfig, torch_threads: int = 0):
+        # The loop thread holds the GIL between torch calls; without this, the sender, receiver and
+        # poll threads wait up to Python's default 5 ms for it, which shows up in every handoff.
+        sys.setswitchinterval(2e-4)
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         self.rank = rank
@@ -184,7 +188,7 @@ class Worker:
                 try:
                     self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.sampling, a.parts)
                     self._emit({"kind": "imported", "rid": h.request_id, "bytes": a.nbytes,
-                                "recv_s": a.recv_s, "time": time.time()})
+                                "recv_s": a.recv_s, "arrived": a.arrived, "time": time.time()})
                 except (InvalidRequest, ValueError) as e:
                     self._emit({"kind": "import_failed", "rid": h.request_id, "reason": str(e)})
             else:
@@ -203,9 +207,9 @@ class Worker:
                 first_scheduled[ev.request_id] = req.first_scheduled_time
             if ev.finish_reason == "handoff":
                 handoffs.append(ev)
-        self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
-        for ev in handoffs:
+        for ev in handoffs:          # start the KV on its way before telling the router
             self._hand_off(ev.request_id, ev.time)
+        self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
 
     def _hand_off(self, rid: str, first_token_time: float) -> None:
         req = self.engine.requests[rid]

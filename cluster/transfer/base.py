@@ -47,7 +47,7 @@ class Arrival:
     parts: list[tuple[int, torch.Tensor]]   # (first layer, [layers, 2, T, KVH, D]) covering all layers
     nbytes: int
     recv_s: float                           # first byte of the payload to the last
-    src: int
+    arrived: float                          # wall clock when the last byte was in
 
 
 Deliver = Callable[[Arrival], None]

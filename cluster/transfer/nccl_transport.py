@@ -119,7 +119,7 @@ class NcclTransport:
                 start = time.perf_counter()
                 dist.recv(payload, src, group=group)
                 _sync(dev)
-                recv_s = time.perf_counter() - start
+                recv_s, arrived = time.perf_counter() - start, time.time()
             except Exception as e:  # a dead peer surfaces as a runtime error from the backend
                 report_error(f"{self.backend}: channel from rank {src} closed: {str(e).splitlines()[0][:200]}")
                 return
@@ -132,7 +132,7 @@ class NcclTransport:
                 report_error(f"{self.backend}: rejected message from rank {src}: {e}")
                 continue
             kv = payload.view(WIRE_DTYPES[handoff.dtype]).view(handoff.shape)
-            deliver(Arrival(handoff, [(0, kv)], payload_len, recv_s, src))
+            deliver(Arrival(handoff, [(0, kv)], payload_len, recv_s, arrived))
 
     def close(self) -> None:
         if dist.is_initialized():

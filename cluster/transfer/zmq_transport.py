@@ -29,6 +29,10 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
 
 
 class ZmqChannel:
+    """One sender's socket to one receiver. `send` returns once libzmq has taken every frame (small
+    frames are batched, so "taken" can precede "written"): keep the channel open while the peer
+    reads, as a worker's sender thread does for its whole life."""
+
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransferConfig):
         self.cfg = cfg
         self.sock = ctx.socket(zmq.PUSH)
@@ -174,7 +178,7 @@ class ZmqTransport:
         if l1 < asm.handoff.shape[0]:
             return None
         del pending[rid]
-        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, src=-1)
+        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, time.time())
 
     def _drop_stale(self, pending: dict[str, _Assembly], report_error) -> None:
         now = time.perf_counter()
