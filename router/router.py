@@ -37,13 +37,20 @@ class Attempt:
     decode: WorkerHandle           # makes the remaining tokens (the same worker unless handoff)
     prompt_len: int                # prompt + tokens streamed before this attempt
     submitted_at: float
-    phase: str = "prefill"         # prefill -> (transfer ->) decode
-    handoff_at: float | None = None
+    handoff_at: float | None = None             # router clock: first token in (set once it is)
     first_token_worker_time: float | None = None
     decode_start: float | None = None
-    sent: bool = False
-    num_tokens: int = 0
-    early: list = field(default_factory=list)
+    sent: bool = False                          # the prefill worker put the KV on the wire
+    imported: bool = False                      # the decode worker has it (may be known before
+    num_tokens: int = 0                         # the first token: the workers report separately)
+    early: list = field(default_factory=list)   # decode-worker tokens that overtook the first token
+
+    @property
+    def phase(self) -> str:
+        """prefill -> (transfer ->) decode, derived from what has been seen, in whatever order."""
+        if self.handoff_at is None:
+            return "prefill"
+        return "transfer" if self.kind == "handoff" and not self.imported else "decode"
 
 
 class Router:
@@ -225,7 +232,7 @@ class Router:
             rec = att.record
             rec.transfer_s, rec.transfer_bytes, rec.kv_send_start = ev["seconds"], ev["bytes"], ev["start"]
         elif kind == "imported":
-            att.phase = "decode"
+            att.imported = True
             att.record.kv_arrived = ev["arrived"]
         elif kind in ("send_failed", "import_failed"):
             self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
@@ -258,7 +265,6 @@ class Router:
             if started is not None:
                 rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
             self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-            att.phase = "transfer" if finish == "handoff" else "decode"
             att.handoff_at, att.first_token_worker_time = now, end
             if finish != "handoff":
                 att.decode_start = end

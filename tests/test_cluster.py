@@ -143,12 +143,13 @@ def test_transfer_timeout_is_recovered(disagg, reference):
 def test_killed_decode_worker_loses_no_request():
     pool = start_pool(prefill=1, decode=2)
     try:
-        records = serve(pool, prompts=PROMPTS * 3, faults=FaultConfig(kill_worker="decode:0", kill_after_s=1.0),
-                        max_tokens=40, spacing_s=0.1)
+        # a dense stream of long generations, so requests are decoding on decode:0 when it dies
+        records = serve(pool, prompts=PROMPTS * 4, faults=FaultConfig(kill_worker="decode:0", kill_after_s=1.0),
+                        max_tokens=60, spacing_s=0.05)
     finally:
         pool.shutdown()
     assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
-    assert [r.output_ids for r in records] == greedy_tokens(40) * 3, "retries continue the stream exactly"
+    assert [r.output_ids for r in records] == greedy_tokens(60) * 4, "retries continue the stream exactly"
     assert any(r.attempts > 1 for r in records), "the kill was meant to hit requests in flight"
     assert all(r.decode_worker == "decode:1" for r in records if r.attempts > 1)
 
