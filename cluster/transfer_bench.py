@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import queue
@@ -37,21 +38,16 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, "bfloat16"   # Llama-3-8
 TOKEN_BYTES = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * 2           # 128 KiB per token
 PARAMS = {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [], "ignore_eos": True}
 TARGET_RATIO, TARGET_SIZE_MIB = 0.8, 256
-MEASURES = {"nccl": ("raw_dist", "nccl"), "zmq": ("raw_zmq", "zmq")}
+RAW = {"nccl": "raw_dist", "zmq": "raw_zmq"}         # each backend's raw ceiling
 
 
 def default_repeats(size_mib: int) -> int:
-    return max(5, min(50, 2048 // size_mib))     # about 2 GiB per measurement for the big sizes
+    return max(8, min(50, 4096 // size_mib))     # 4 GiB per measurement at 256 MiB
 
 
 def kv_shape(size_mib: int) -> tuple[int, ...]:
     num_tokens = max(1, round(size_mib * 2**20 / TOKEN_BYTES))
     return (NUM_LAYERS, 2, num_tokens, NUM_KV_HEADS, HEAD_DIM)     # [layers, 2, T, KVH, D]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(rank: int, pipe, move, repeats: int) -> float:
@@ -65,32 +61,21 @@ def _timed(rank: int, pipe, move, repeats: int) -> float:
     return seconds
 
 
-def _handoffs(shape: tuple[int, ...]):
-    base = KVHandoff("bench", [1] * shape[2], 1, 0.0, PARAMS, DTYPE, shape)
-    index = 0
-    while True:
-        index += 1
-        yield dataclasses.replace(base, request_id=f"bench-{shape[2]}-{index}")
-
-
-def _arrivals(arrived: queue.Queue, nbytes: int):
-    def wait(n: int) -> None:
-        for _ in range(n):
-            got = arrived.get(timeout=300)
-            if got != nbytes:
-                raise RuntimeError(f"receiver: {got!r} instead of {nbytes} bytes")
-    return wait
-
-
-def _transport_move(rank, channel, arrived, shape, device):
+def _transport_move(rank, channel, arrived: queue.Queue, shape, device):
+    """Rank 0 sends handoffs through `channel`; rank 1 counts deliveries (or errors) in `arrived`."""
+    nbytes = TOKEN_BYTES * shape[2]
     if rank == 1:
-        return _arrivals(arrived, TOKEN_BYTES * shape[2])
+        def wait(n: int) -> None:
+            for _ in range(n):
+                if (got := arrived.get(timeout=300)) != nbytes:
+                    raise RuntimeError(f"receiver: {got!r} instead of {nbytes} bytes")
+        return wait
     kv = torch.ones(shape, dtype=getattr(torch, DTYPE), device=device)
-    handoffs = _handoffs(shape)
+    handoff, ids = KVHandoff("bench", [1] * shape[2], 1, 0.0, PARAMS, DTYPE, shape), itertools.count()
 
     def send(n: int) -> None:
         for _ in range(n):
-            channel.send(next(handoffs), kv)
+            channel.send(dataclasses.replace(handoff, request_id=f"bench-{next(ids)}"), kv)
     return send
 
 
@@ -103,7 +88,8 @@ def _raw_dist_move(rank, group, nbytes, device):
                 dist.send(buf, 1, group=group)
             else:
                 dist.recv(buf, 0, group=group)
-        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return move
 
 
@@ -136,24 +122,18 @@ def _bench_dist(rank: int, plan: dict, pipe, device: torch.device) -> dict[str, 
     from cluster.transfer.nccl_transport import NcclTransport
     cfg, expect = _setup(plan)
     nccl = NcclTransport(cfg, rank, 2, HOST, plan["store_port"], [(0, 1)], device)
-    group = nccl.groups[(0, 1)]
-    seconds = {}
-    for size_mib, repeats in plan["sizes"]:
+    group, seconds, arrived = nccl.groups[(0, 1)], {}, queue.Queue()
+    for size_mib, repeats in plan["sizes"]:   # before the receive thread owns the group
         move = _raw_dist_move(rank, group, TOKEN_BYTES * kv_shape(size_mib)[2], device)
         seconds[f"raw_dist/{size_mib}"] = _timed(rank, pipe, move, repeats)
-    arrived: queue.Queue = queue.Queue()
-    if rank == 0:
-        channel = nccl.channel(1)
-    else:
-        channel = None
-        nccl.start_receiving(expect, lambda a: arrived.put(a.nbytes), arrived.put)
+    if rank == 1:
+        nccl.start_receiving(expect, lambda a: arrived.put(a.nbytes) or a.release(), arrived.put)
+    channel = nccl.channel(1) if rank == 0 else None
     for size_mib, repeats in plan["sizes"]:
         move = _transport_move(rank, channel, arrived, kv_shape(size_mib), device)
         seconds[f"nccl/{size_mib}"] = _timed(rank, pipe, move, repeats)
-    if rank == 0:   # an empty preamble makes the receive loop report and return: nothing left blocked
-        dist.send(torch.zeros(2, dtype=torch.int64, device=device), 1, group=group)
-    elif not isinstance(arrived.get(timeout=60), str):
-        raise RuntimeError("receiver: unexpected arrival after the last transfer")
+    if rank == 0:
+        channel.close()   # end of stream: the receive thread returns, nothing is left blocked
     nccl.close()
     return seconds
 
@@ -161,24 +141,19 @@ def _bench_dist(rank: int, plan: dict, pipe, device: torch.device) -> dict[str, 
 def _bench_zmq(rank: int, plan: dict, pipe) -> dict[str, float]:
     from cluster.transfer.zmq_transport import ZmqTransport
     cfg, expect = _setup(plan)
-    ctx = zmq.Context.instance()
-    arrived: queue.Queue = queue.Queue()
+    ctx, seconds, arrived = zmq.Context.instance(), {}, queue.Queue()
+    raw = ctx.socket(zmq.PULL if rank == 1 else zmq.PUSH)
+    raw.setsockopt(zmq.RCVHWM if rank == 1 else zmq.SNDHWM, 0)
     if rank == 1:
-        raw = ctx.socket(zmq.PULL)
-        raw.setsockopt(zmq.RCVHWM, 0)
         raw.bind_to_random_port(f"tcp://{HOST}")
-        transport = ZmqTransport(cfg, HOST)
+        transport, channel = ZmqTransport(cfg, HOST), None
         pipe.send((raw.getsockopt_string(zmq.LAST_ENDPOINT), transport.bind()))
-        transport.start_receiving(expect, lambda a: arrived.put(a.nbytes), arrived.put)
-        channel = None
+        transport.start_receiving(expect, lambda a: arrived.put(a.nbytes) or a.release(), arrived.put)
     else:
         raw_address, address = pipe.recv()
-        raw = ctx.socket(zmq.PUSH)
-        raw.setsockopt(zmq.SNDHWM, 0)
         raw.connect(raw_address)
         transport = ZmqTransport(cfg, HOST, {1: address})
         channel = transport.channel(1)
-    seconds = {}
     for size_mib, repeats in plan["sizes"]:
         move = _raw_zmq_move(rank, raw, TOKEN_BYTES * kv_shape(size_mib)[2], cfg.chunk_bytes)
         seconds[f"raw_zmq/{size_mib}"] = _timed(rank, pipe, move, repeats)
@@ -192,21 +167,15 @@ def _bench_zmq(rank: int, plan: dict, pipe) -> dict[str, float]:
 
 
 def _run_rank(rank: int, plan: dict, pipe, result_pipe) -> None:
-    device = torch.device(f"cuda:{rank}" if plan["device"] == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    seconds = {}
-    if "nccl" in plan["backends"]:
-        seconds |= _bench_dist(rank, plan, pipe, device)
-    if "zmq" in plan["backends"]:
-        seconds |= _bench_zmq(rank, plan, pipe)
-    if rank == 0:
-        result_pipe.send(("ok", seconds))
-
-
-def _rank_entry(rank: int, plan: dict, pipe, result_pipe) -> None:
     try:
-        _run_rank(rank, plan, pipe, result_pipe)
+        device = torch.device(f"cuda:{rank}" if plan["device"] == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        seconds = _bench_dist(rank, plan, pipe, device) if "nccl" in plan["backends"] else {}
+        if "zmq" in plan["backends"]:
+            seconds |= _bench_zmq(rank, plan, pipe)
+        if rank == 0:
+            result_pipe.send(("ok", seconds))
     except BaseException:
         message = traceback.format_exc()
         if result_pipe is not None:
@@ -219,8 +188,8 @@ def _run_ranks(plan: dict, timeout_s: float) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     pipe0, pipe1 = ctx.Pipe()
     results_in, results_out = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_rank_entry, args=(0, plan, pipe0, results_out), daemon=True),
-             ctx.Process(target=_rank_entry, args=(1, plan, pipe1, None), daemon=True)]
+    procs = [ctx.Process(target=_run_rank, args=(0, plan, pipe0, results_out), daemon=True),
+             ctx.Process(target=_run_rank, args=(1, plan, pipe1, None), daemon=True)]
     for p in procs:
         p.start()
     try:
@@ -236,7 +205,7 @@ def _run_ranks(plan: dict, timeout_s: float) -> dict[str, float]:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
-                p.kill()           # a receive thread blocked on a closed peer; the results are in
+                p.kill()           # left waiting on a peer that failed
 
 
 def pick_device(name: str) -> tuple[str, str | None]:
@@ -250,28 +219,45 @@ def pick_device(name: str) -> tuple[str, str | None]:
                    "skipping it and measuring gloo on CPU instead")
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+def summarize(sizes, backends: list[str], seconds: dict[str, float]) -> list[dict]:
+    rows = []
+    for size_mib, repeats in sizes:
+        nbytes = TOKEN_BYTES * kv_shape(size_mib)[2]
+        row = {"size_mib": size_mib, "nbytes": nbytes, "repeats": repeats}
+        for backend in backends:
+            raw = RAW[backend]
+            gbps = nbytes * repeats / seconds[f"{backend}/{size_mib}"] / 1e9
+            raw_gbps = nbytes * repeats / seconds[f"{raw}/{size_mib}"] / 1e9
+            row |= {f"{backend}_gbps": float(f"{gbps:.6g}"), f"{raw}_gbps": float(f"{raw_gbps:.6g}"),
+                    f"{backend}_ratio": float(f"{gbps / raw_gbps:.6g}")}
+        rows.append(row)
+    return rows
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def print_table(rows: list[dict], dist_backend: str) -> None:
+    columns = [("size MiB", "size_mib", "d"), ("reps", "repeats", "d"), (f"{dist_backend} GB/s", "nccl_gbps", ".3f"),
+               ("raw dist GB/s", "raw_dist_gbps", ".3f"), ("ratio", "nccl_ratio", ".2f"),
+               ("zmq GB/s", "zmq_gbps", ".3f"), ("raw zmq GB/s", "raw_zmq_gbps", ".3f"), ("ratio", "zmq_ratio", ".2f")]
+    print(" | ".join(title for title, _, _ in columns))
+    for r in rows:
+        print(" | ".join(format(r[key], spec).rjust(len(title)) if key in r else "-".rjust(len(title))
+                         for title, key, spec in columns))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated payload sizes, MiB")
+    ap.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated payload sizes, MiB (1..256)")
     ap.add_argument("--repeats", type=int, default=None, help="timed transfers per size (default: by size)")
     ap.add_argument("--backends", default="nccl,zmq", help="comma-separated subset of nccl,zmq")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--chunk-mib", type=int, default=8, help="zmq frame size, MiB (transport and raw)")
     args = ap.parse_args(argv)
     try:
-        sizes_mib = [int(s) for s in args.sizes_mib.split(",")]
+        sizes_mib = [int(s) if s.strip().isdigit() else 0 for s in args.sizes_mib.split(",")]
         backends = [b for b in BACKENDS if b in args.backends.split(",")]
-        if not sizes_mib or min(sizes_mib) <= 0 or max(sizes_mib) > 256:
-            raise ValueError(f"--sizes-mib={args.sizes_mib!r}: sizes must be in 1..256")
-        if not backends or set(args.backends.split(",")) - set(BACKENDS):
+        if min(sizes_mib) <= 0 or max(sizes_mib) > 256:
+            raise ValueError(f"--sizes-mib={args.sizes_mib!r}: give whole MiB in 1..256, comma-separated")
+        if set(args.backends.split(",")) - set(BACKENDS):
             raise ValueError(f"--backends={args.backends!r}: choose from {list(BACKENDS)}")
         if (args.repeats is not None and args.repeats <= 0) or args.chunk_mib <= 0:
             raise ValueError("--repeats and --chunk-mib must be positive")
@@ -292,34 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     dist_backend = "nccl" if device == "cuda" else "gloo"
-    rows = []
-    for size_mib, repeats in sizes:
-        nbytes = TOKEN_BYTES * kv_shape(size_mib)[2]
-        row = {"size_mib": size_mib, "nbytes": nbytes, "repeats": repeats}
-        for backend in backends:
-            raw_name, name = MEASURES[backend]
-            gbps = _gbps(nbytes * repeats, seconds[f"{name}/{size_mib}"])
-            raw_gbps = _gbps(nbytes * repeats, seconds[f"{raw_name}/{size_mib}"])
-            row |= {f"{name}_gbps": float(f"{gbps:.6g}"), f"{raw_name}_gbps": float(f"{raw_gbps:.6g}"),
-                    f"{name}_ratio": float(f"{gbps / raw_gbps:.6g}")}
-        rows.append(row)
-
-    print(f"device {device}, dist backend {dist_backend}; zmq on loopback with CPU tensors; "
-          f"KV [{NUM_LAYERS}, 2, T, {NUM_KV_HEADS}, {HEAD_DIM}] {DTYPE}; zmq chunks {args.chunk_mib} MiB")
-    print(f"{'size MiB':>8} | {'reps':>4} | {dist_backend + ' GB/s':>9} | {'raw dist GB/s':>13} | {'ratio':>5} | "
-          f"{'zmq GB/s':>8} | {'raw zmq GB/s':>12} | {'ratio':>5}")
-    for r in rows:
-        print(f"{r['size_mib']:>8} | {r['repeats']:>4} | {_fmt(r.get('nccl_gbps'), '9.3f')} | "
-              f"{_fmt(r.get('raw_dist_gbps'), '13.3f')} | {_fmt(r.get('nccl_ratio'), '5.2f')} | "
-              f"{_fmt(r.get('zmq_gbps'), '8.3f')} | {_fmt(r.get('raw_zmq_gbps'), '12.3f')} | "
-              f"{_fmt(r.get('zmq_ratio'), '5.2f')}")
+    rows = summarize(sizes, backends, seconds)
+    print(f"device {device}, dist backend {dist_backend}; zmq on loopback with CPU tensors; KV [{NUM_LAYERS}, 2, T, "
+          f"{NUM_KV_HEADS}, {HEAD_DIM}] {DTYPE}; zmq chunks {args.chunk_mib} MiB; GB/s = 1e9 bytes/s")
+    print_table(rows, dist_backend)
     at_target = next((r for r in rows if r["size_mib"] == TARGET_SIZE_MIB), None)
     met = {}
     for backend in backends:
         ratio = at_target[f"{backend}_ratio"] if at_target else None
         met[backend] = None if ratio is None else ratio >= TARGET_RATIO
-        verdict = "not measured" if ratio is None else f"{ratio:.2f} of raw: {'met' if met[backend] else 'NOT met'}"
-        print(f"target {backend} >= {TARGET_RATIO:.0%} of raw at {TARGET_SIZE_MIB} MiB: {verdict}")
+        verdict = "not measured" if ratio is None else f"{ratio:.2f} of raw, {'met' if met[backend] else 'NOT met'}"
+        print(f"target: {backend} >= {TARGET_RATIO:.0%} of its raw ceiling at {TARGET_SIZE_MIB} MiB: {verdict}")
     print(json.dumps({"device": device, "dist_backend": dist_backend, "backends": backends, "note": note,
                       "chunk_mib": args.chunk_mib, "kv_dtype": DTYPE, "target_ratio": TARGET_RATIO,
                       "target_size_mib": TARGET_SIZE_MIB, "met_target": met, "results": rows}))

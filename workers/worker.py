@@ -174,11 +174,16 @@ class Worker:
             rid = item[1]
             self._aborted.add(rid)
             self.engine.abort(rid)
+            for a in self._arrivals:
+                if a.handoff.request_id == rid:
+                    a.release()
             self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
         elif kind == "arrival":
             arrival = item[1]
             if arrival.handoff.request_id not in self._aborted:
                 self._arrivals.append(arrival)
+            else:
+                arrival.release()
 
     def _import_arrivals(self) -> None:
         keep = []
@@ -191,6 +196,7 @@ class Worker:
                                 "recv_s": a.recv_s, "arrived": a.arrived, "time": time.time()})
                 except (InvalidRequest, ValueError) as e:
                     self._emit({"kind": "import_failed", "rid": h.request_id, "reason": str(e)})
+                a.release()                       # imported (copied into the pool) or refused: done with it
             else:
                 keep.append(a)
         self._arrivals = keep

@@ -7,7 +7,8 @@ allows it. The receiving engine scatters them into its pool.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -48,6 +49,9 @@ class Arrival:
     nbytes: int
     recv_s: float                           # first byte of the payload to the last
     arrived: float                          # wall clock when the last byte was in
+    release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+    # the consumer calls release() once it no longer reads `parts` (the engine's import copies them):
+    # the transport then receives into that memory again. Without it the memory is simply freed.
 
 
 Deliver = Callable[[Arrival], None]
@@ -67,6 +71,37 @@ class Transport(Protocol):
     def start_receiving(self, expect: Expect, deliver: Deliver, report_error: ReportError) -> None: ...
 
     def close(self) -> None: ...
+
+
+class RecvBuffers:
+    """Receive buffers recycled on CPU: a fresh buffer costs a page fault per 4 KiB on first touch,
+    about as slow as the loopback wire itself. (On GPU the caching allocator already recycles.)"""
+
+    def __init__(self, device: torch.device, max_free: int = 4):
+        self.device, self.max_free = device, max_free
+        self._free: list[torch.Tensor] = []        # uint8 [n], smallest first
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        if self.device.type != "cpu":
+            return
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=torch.Tensor.numel)
+            del self._free[:-self.max_free]
+
+    def releaser(self, buf: torch.Tensor) -> Callable[[], None]:
+        """A callback that gives `buf` back once; later calls do nothing."""
+        once = [buf]
+        return lambda: once and self.give_back(once.pop())
 
 
 def layer_chunks(kv: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:

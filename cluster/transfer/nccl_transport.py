@@ -6,6 +6,8 @@ group, so each pair's stream is independent of the others. Per request the sende
 
     preamble int64[2] = [header bytes, payload bytes];  header uint8[...] (msgpack);  payload uint8[...]
 
+A preamble of [0, 0] ends the stream (the sender's `close`), so receive threads stop cleanly.
+
 The receiver checks the preamble against its limits before allocating, validates the header like
 the zmq wire does, and drains (then drops) a payload whose header it rejects, keeping the stream
 in step.
@@ -19,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cluster.transfer.base import Arrival, TransferConfig
+from cluster.transfer.base import Arrival, RecvBuffers, TransferConfig
 from cluster.transfer.wire import MAX_HEADER_BYTES, WIRE_DTYPES, Expect, KVHandoff, WireError, decode_header
 
 
@@ -54,6 +56,11 @@ class NcclChannel:
             dist.send(t, self.dst, group=self.group)
         _sync(dev)
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Tell the receiver this stream is over."""
+        dist.send(torch.zeros(2, dtype=torch.int64, device=self.t.device), self.dst, group=self.group)
+        _sync(self.t.device)
 
 
 class NcclTransport:
@@ -103,10 +110,13 @@ class NcclTransport:
         group, dev = self.groups[(src, self.rank)], self.device
         _own_stream(dev)
         preamble = torch.zeros(2, dtype=torch.int64, device=dev)
+        buffers = RecvBuffers(dev)
         while True:
             try:
                 dist.recv(preamble, src, group=group)
                 header_len, payload_len = preamble.tolist()
+                if header_len == payload_len == 0:
+                    return                                      # the sender closed the stream
                 if not 0 < header_len <= MAX_HEADER_BYTES or not 0 < payload_len <= expect.max_frame_bytes:
                     # The stream cannot be trusted past this point: stop listening to this source.
                     report_error(f"{self.backend}: rank {src} announced a {header_len}-byte header and "
@@ -115,7 +125,7 @@ class NcclTransport:
                     return
                 header = torch.empty(header_len, dtype=torch.uint8, device=dev)
                 dist.recv(header, src, group=group)
-                payload = torch.empty(payload_len, dtype=torch.uint8, device=dev)
+                payload = buffers.take(payload_len)
                 start = time.perf_counter()
                 dist.recv(payload, src, group=group)
                 _sync(dev)
@@ -130,11 +140,15 @@ class NcclTransport:
                                     f"{handoff.nbytes}")
             except WireError as e:
                 report_error(f"{self.backend}: rejected message from rank {src}: {e}")
+                buffers.give_back(payload)
                 continue
             kv = payload.view(WIRE_DTYPES[handoff.dtype]).view(handoff.shape)
-            deliver(Arrival(handoff, [(0, kv)], payload_len, recv_s, arrived))
+            deliver(Arrival(handoff, [(0, kv)], payload_len, recv_s, arrived, buffers.releaser(payload)))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait for receive threads whose senders closed their streams, then leave the group."""
+        for t in self._threads:
+            t.join(timeout_s)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -4,7 +4,9 @@ Each receiving worker binds one PULL socket to its own address; each sender conn
 socket per destination. A request travels as a "begin" message (the handoff header) and then one
 message per run of layers, each naming its request, so chunks from several senders may
 interleave. Sender frames point into the tensor's memory (copy=False, tracked until libzmq is
-done with them); receiver frames are wrapped as tensors without copying.
+done with them). The receiver copies each payload frame straight into its place in a recycled
+request buffer (recv_into): on CPU one copy into warm memory is cheaper than keeping zero-copy
+frames alive until the request completes, which faults in fresh pages for every request.
 
     begin: [b"B", header]                              header = KVHandoff (msgpack)
     chunk: [b"C", msgpack([request_id, index, first_layer, end_layer]), raw bytes]
@@ -14,13 +16,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
 
 import msgpack
 import torch
 import zmq
 
-from cluster.transfer.base import Arrival, TransferConfig, TransferTimeout, layer_chunks
+from cluster.transfer.base import Arrival, RecvBuffers, TransferConfig, TransferTimeout, layer_chunks
 from cluster.transfer.wire import WIRE_DTYPES, Expect, KVHandoff, WireError, decode_header
 
 
@@ -77,9 +78,13 @@ class _Assembly:
         self.next_layer = 0
         self.parts: list[tuple[int, torch.Tensor]] = []
         dtype = WIRE_DTYPES[handoff.dtype]
-        self.dtype = dtype
-        self.layer_shape = handoff.shape[1:]
-        self.layer_bytes = math.prod(self.layer_shape) * torch.tensor([], dtype=dtype).element_size()
+        self.layer_bytes = math.prod(handoff.shape[1:]) * torch.tensor([], dtype=dtype).element_size()
+        self.buf: torch.Tensor | None = None      # uint8 [nbytes]: the whole request, chunks land in place
+        self.kv: torch.Tensor | None = None       # the same memory as [L, 2, T, KVH, D]
+
+    def allocate(self, buffers: RecvBuffers) -> None:
+        self.buf = buffers.take(self.handoff.nbytes)
+        self.kv = self.buf.view(WIRE_DTYPES[self.handoff.dtype]).view(self.handoff.shape)
 
 
 class ZmqTransport:
@@ -94,6 +99,7 @@ class ZmqTransport:
         self._pull: zmq.Socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._buffers = RecvBuffers(torch.device("cpu"))
 
     def bind(self) -> str:
         """Bind the receiving socket to this node's address; returns where senders connect."""
@@ -132,58 +138,66 @@ class ZmqTransport:
             if not poller.poll(100):
                 self._drop_stale(pending, report_error)
                 continue
-            frames = self._pull.recv_multipart(copy=False)
             try:
-                done = self._on_message(frames, pending, expect)
+                done = self._on_message(pending, expect)
             except WireError as e:
+                while self._pull.getsockopt(zmq.RCVMORE):      # skip the rest of a rejected message
+                    self._pull.recv(copy=False)
                 report_error(f"zmq: rejected message: {e}")
                 continue
             if done is not None:
                 deliver(done)
 
-    def _on_message(self, frames, pending: dict[str, _Assembly], expect: Expect) -> Arrival | None:
-        tag = frames[0].bytes
+    def _on_message(self, pending: dict[str, _Assembly], expect: Expect) -> Arrival | None:
+        """Reads one message frame by frame: a chunk's payload is received straight into its place in
+        the request's buffer (one copy out of libzmq's message, into memory that is reused)."""
+        sock = self._pull
+        tag = sock.recv()
+        head = sock.recv() if sock.getsockopt(zmq.RCVMORE) else None
+        more = sock.getsockopt(zmq.RCVMORE)
         if tag == b"B":
-            if len(frames) != 2:
-                raise WireError(f"begin message with {len(frames)} frames, expected 2")
-            handoff = decode_header(frames[1].bytes, expect)
+            if head is None or more:
+                raise WireError("begin message without exactly 2 frames")
+            handoff = decode_header(head, expect)
             asm = _Assembly(handoff, time.perf_counter())
             if asm.layer_bytes > expect.max_frame_bytes:
                 raise WireError(f"{handoff.request_id}: one layer of {asm.layer_bytes} bytes exceeds the "
                                 f"frame limit {expect.max_frame_bytes}")
+            asm.allocate(self._buffers)
             pending[handoff.request_id] = asm
             return None
-        if tag != b"C" or len(frames) != 3:
-            raise WireError(f"unknown message tag {tag[:8]!r} with {len(frames)} frames")
+        if tag != b"C" or head is None or not more:
+            raise WireError(f"unknown message tag {tag[:8]!r}, or not 3 frames")
         try:
-            rid, index, l0, l1 = msgpack.unpackb(frames[1].bytes, raw=False, max_bin_len=0)
+            rid, index, l0, l1 = msgpack.unpackb(head, raw=False, max_bin_len=0)
         except Exception as e:
             raise WireError(f"chunk header is not [request_id, index, first_layer, end_layer]: {e}") from None
         asm = pending.get(rid) if isinstance(rid, str) else None
         if asm is None:
             raise WireError(f"chunk for unknown request {rid!r}")
-        frame = frames[2]
-        size = len(frame.buffer)
         expected = (l1 - l0) * asm.layer_bytes if isinstance(l0, int) and isinstance(l1, int) else -1
-        if index != len(asm.parts) or l0 != asm.next_layer or not l0 < l1 <= asm.handoff.shape[0] \
-                or size != expected:
-            pending.pop(rid)
+        in_order = index == len(asm.parts) and l0 == asm.next_layer and l0 < l1 <= asm.handoff.shape[0]
+        if in_order:
+            start = l0 * asm.layer_bytes
+            size = sock.recv_into(memoryview(asm.buf[start:start + expected].numpy()))
+        else:
+            size = len(sock.recv(copy=False))
+        if not in_order or size != expected or sock.getsockopt(zmq.RCVMORE):
+            self._buffers.give_back(pending.pop(rid).buf)
             raise WireError(f"{rid}: chunk {index} layers [{l0}, {l1}) of {size} bytes does not follow "
                             f"layer {asm.next_layer} ({expected} bytes expected)")
-        with warnings.catch_warnings():   # read-only frame memory: we only ever read it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-        asm.parts.append((l0, flat.view(asm.dtype).view(l1 - l0, *asm.layer_shape)))
+        asm.parts.append((l0, asm.kv[l0:l1]))
         asm.next_layer = l1
         if l1 < asm.handoff.shape[0]:
             return None
         del pending[rid]
-        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, time.time())
+        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, time.time(),
+                       self._buffers.releaser(asm.buf))
 
     def _drop_stale(self, pending: dict[str, _Assembly], report_error) -> None:
         now = time.perf_counter()
         for rid in [r for r, a in pending.items() if now - a.started > self.cfg.timeout_s]:
-            del pending[rid]
+            self._buffers.give_back(pending.pop(rid).buf)
             report_error(f"zmq: {rid}: incomplete after {self.cfg.timeout_s} s, dropped")
 
     def close(self) -> None:
