@@ -48,7 +48,9 @@ def bundle_order(roles: list[str]) -> list[int]:
 
 
 class WorkerPool:
-    def __init__(self, cfg: ClusterConfig, spec: ModelSpec, engine_cfg: EngineConfig, transfer: TransferConfig):
+    def __init__(self, cfg: ClusterConfig, spec: ModelSpec, engine_cfg: EngineConfig | dict[str, EngineConfig],
+                 transfer: TransferConfig):
+        """`engine_cfg`: one EngineConfig for every role, or one per role ("colocated", "prefill", "decode")."""
         self.cfg = cfg
         self.spec = spec
         self.engine_cfg = engine_cfg
@@ -80,7 +82,7 @@ class WorkerPool:
             actor = remote.options(
                 num_gpus=1, num_cpus=self.cfg.cpus_per_worker, max_concurrency=16, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            ).remote(rank, self.spec, self.engine_cfg.replace(role=role), threads)
+            ).remote(rank, self.spec, self._engine(role), threads)
             self.workers.append(WorkerHandle(rank, role, index, actor))
         self.workers.sort(key=lambda w: w.rank)
         infos = self._get([w.actor.info.remote() for w in self.workers], "start the workers")
@@ -90,6 +92,11 @@ class WorkerPool:
             self._wire()
         log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
         return self
+
+    def _engine(self, role: str) -> EngineConfig:
+        if isinstance(self.engine_cfg, dict):
+            return self.engine_cfg[role]
+        return self.engine_cfg.replace(role=role)
 
     def _get(self, refs, what: str):
         try:

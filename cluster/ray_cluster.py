@@ -50,22 +50,35 @@ def _packages() -> list[str]:
     return [os.path.join(ROOT, name) for name in ("workers", "cluster", "router", "experiments")]
 
 
-def check_resources(cfg: ClusterConfig) -> None:
+def check_resources(cfg: ClusterConfig, grace_s: float = 15.0) -> None:
+    """Fail at once if the cluster can never host the layout; wait up to `grace_s` for resources
+    that exist but are still being released (a previous pool's), then fail naming them."""
+    import time
+
     total = ray.cluster_resources()
-    free = ray.available_resources()
     need_gpus = cfg.num_workers
     need_cpus = cfg.num_workers * cfg.cpus_per_worker
     what = f"cluster.mode={cfg.mode} ({cfg.describe()})"
-    have = f"the Ray cluster has {total.get('GPU', 0):g} GPUs ({free.get('GPU', 0):g} free) and " \
-           f"{total.get('CPU', 0):g} CPUs ({free.get('CPU', 0):g} free)"
+
+    def have():
+        free = ray.available_resources()
+        return (f"the Ray cluster has {total.get('GPU', 0):g} GPUs ({free.get('GPU', 0):g} free) and "
+                f"{total.get('CPU', 0):g} CPUs ({free.get('CPU', 0):g} free)")
+
     if total.get("GPU", 0) < need_gpus:
-        raise ClusterError(f"{what} needs {need_gpus} GPUs, one per worker; {have}")
+        raise ClusterError(f"{what} needs {need_gpus} GPUs, one per worker; {have()}")
     if total.get("CPU", 0) < need_cpus:
         raise ClusterError(f"{what} needs {need_cpus:g} CPUs (cluster.cpus_per_worker="
-                           f"{cfg.cpus_per_worker:g}); {have}")
-    if free.get("GPU", 0) < need_gpus or free.get("CPU", 0) < need_cpus:
-        raise ClusterError(f"{what} needs {need_gpus} free GPUs and {need_cpus:g} free CPUs; {have}: "
-                           "other jobs hold the rest")
+                           f"{cfg.cpus_per_worker:g}); {have()}")
+    deadline = time.monotonic() + grace_s
+    while True:
+        free = ray.available_resources()
+        if free.get("GPU", 0) >= need_gpus and free.get("CPU", 0) >= need_cpus:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{what} needs {need_gpus} free GPUs and {need_cpus:g} free CPUs; {have()}: "
+                               "other jobs hold the rest")
+        time.sleep(0.1)
 
 
 def stop_ray() -> None:

@@ -13,6 +13,7 @@ class RequestRecord:
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)   # router clock: when each token reached it
     status: str = "pending"                            # pending | ok | failed
+    end_time: float | None = None                      # router clock: last token, or the failure
     reason: str | None = None                          # why it failed
     finish_reason: str | None = None                   # length | stop
     attempts: int = 0                                  # 1 = served first time

@@ -192,10 +192,11 @@ class Router:
     def _finish(self, att: Attempt, finish_reason: str) -> None:
         self._drop(att, abort=False)
         att.record.status, att.record.finish_reason = "ok", finish_reason
+        att.record.end_time = att.record.token_times[-1]
         self._lock.notify_all()
 
     def _fail(self, rec: RequestRecord, reason: str) -> None:
-        rec.status, rec.reason = "failed", reason
+        rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
         log.warning("request %s failed: %s", rec.id, reason)
         self._lock.notify_all()
 

@@ -166,6 +166,7 @@ class EngineConfig:
 
     policy: str = "chunked"
     token_budget: int = 512          # tokens computed per step, prefill and decode together
+                                     # (prefill_first never splits a prompt that fits max_model_len)
     max_batch: int = 256             # running requests at most
     block_size: int = 16             # tokens per KV block
     max_model_len: int | None = None  # default: the model's max_position_embeddings

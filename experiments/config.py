@@ -1,0 +1,236 @@
+"""The run's configuration, typed and validated once, before any worker starts.
+
+Each Hydra group becomes the frozen dataclass of the room that uses it (ClusterConfig,
+TransferConfig, RouterConfig, FaultConfig, WorkloadConfig, ...). Unknown keys, wrong types and bad
+values raise ConfigError with one line naming the full key. Layouts ("colocated-chunked", "1p3d")
+are edits of the composed config, so every point's saved config.yaml says exactly what ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from cluster.config import ClusterConfig
+from cluster.transfer.base import TransferConfig
+from experiments.workload import WorkloadConfig
+from router.config import FaultConfig, RouterConfig
+from workers.config import CheckpointError, EngineConfig, from_hf_config, preset
+from workers.worker import ModelSpec
+
+CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
+LAYOUT_DISAGG = re.compile(r"^(\d+)p(\d+)d$")
+COLOCATED_LAYOUTS = ("colocated-prefill_first", "colocated-chunked")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the key."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "chunked"
+    token_budget: int | None = None
+    prefill_token_budget: int | None = None
+    max_batch: int = 64
+    block_size: int = 16
+    max_model_len: int | None = None
+    kv_cache_mb: int = 256
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+
+    def engine(self, role: str, max_model_len: int) -> EngineConfig:
+        """Prefill workers prefill whole prompts; colocated and decode workers follow `policy`.
+        prefill_first takes whole prompts, as early vLLM did: its budget is at least max_model_len."""
+        if role == "prefill":
+            policy, budget = "prefill_first", max(self.prefill_token_budget or 0, max_model_len)
+        elif self.policy == "prefill_first":
+            policy, budget = "prefill_first", max(self.token_budget or 0, max_model_len)
+        else:
+            policy, budget = "chunked", self.token_budget or CHUNKED_BUDGET
+        return EngineConfig(policy=policy, token_budget=budget, max_batch=self.max_batch, block_size=self.block_size,
+                            max_model_len=max_model_len, num_kv_blocks=self.num_kv_blocks,
+                            kv_cache_bytes=self.kv_cache_mb << 20,
+                            gpu_memory_utilization=self.gpu_memory_utilization, role=role)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    ttft_ms: float = 1000.0
+    tpot_ms: float = 40.0
+    attainment_target: float = 0.9
+
+    def __post_init__(self):
+        for key in ("ttft_ms", "tpot_ms"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be positive")
+        if not 0 < self.attainment_target <= 1:
+            raise ValueError(f"attainment_target={self.attainment_target} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: ModelSpec
+    cluster: ClusterConfig
+    gpus: int
+    scheduler: SchedulerConfig
+    transfer: TransferConfig
+    router: RouterConfig
+    fault: FaultConfig
+    workload: WorkloadConfig
+    slo: SLOConfig
+    seed: int
+    max_model_len: int
+    vocab_size: int
+
+    def engines(self) -> dict[str, EngineConfig]:
+        return {role: self.scheduler.engine(role, self.max_model_len) for role in ("colocated", "prefill", "decode")}
+
+
+def _allows(hint, value) -> bool:
+    if hint is typing.Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_allows(h, value) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, (dict, hint))     # nested sections arrive as dicts
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def section(cls, raw: dict, key: str, **extra):
+    """Build `cls` from one config section; any problem becomes ConfigError naming `key.field`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown option {key}.{unknown[0]}; {key} takes {sorted(names - set(extra))}")
+    hints = typing.get_type_hints(cls)
+    for name, value in raw.items():
+        if not _allows(hints[name], value):
+            raise ConfigError(f"{key}.{name}={value!r}: expected {hints[name]}".replace("typing.", ""))
+    try:
+        return cls(**raw, **extra)
+    except (TypeError, ValueError) as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError(msg if msg.startswith(f"{key}.") else f"{key}.{msg}") from None
+
+
+def _plain(cfg: DictConfig, key: str) -> dict:
+    node = cfg.get(key)
+    if node is None:
+        return {}
+    try:
+        value = OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+    except Exception as e:  # a missing value (???) or a failed interpolation
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r}: expected a group of options")
+    return value
+
+
+def _model(raw: dict, seed: int) -> tuple[ModelSpec, int, int]:
+    """-> (spec, vocab size, max position); checks the preset or checkpoint without loading weights."""
+    raw = dict(raw)
+    name = raw.pop("name", "tiny")
+    spec = section(ModelSpec, {"model": name, **raw}, "model", seed=seed)
+    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype={spec.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if spec.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", spec.device):
+        raise ConfigError(f"model.device={spec.device!r}: choose auto, cpu, cuda or cuda:N")
+    try:
+        if spec.checkpoint is not None:
+            mcfg = from_hf_config(f"{spec.checkpoint}/config.json")
+        else:
+            mcfg = preset(name)
+    except (CheckpointError, ValueError) as e:
+        key = "model.checkpoint" if spec.checkpoint is not None else "model"
+        raise ConfigError(f"{key}: {e}") from None
+    return spec, mcfg.vocab_size, mcfg.max_position_embeddings
+
+
+def parse(cfg: DictConfig) -> RunSpec:
+    """The composed Hydra config -> a validated RunSpec (raises ConfigError)."""
+    known = {"model", "cluster", "scheduler", "transfer", "router", "workload", "slo", "fault",
+             "seed", "layout", "compare", "report"}
+    unknown = sorted(set(cfg.keys()) - known - {"hydra"})
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]}; top-level options are {sorted(known)}")
+    seed = cfg.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed={seed!r}: expected an integer")
+    model, vocab, max_pos = _model(_plain(cfg, "model"), seed)
+    cluster_raw = _plain(cfg, "cluster")
+    gpus = cluster_raw.pop("gpus", 2)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"cluster.gpus={gpus!r} must be a positive integer")
+    cluster = section(ClusterConfig, cluster_raw, "cluster")
+    if cluster.num_workers > gpus:
+        keys = "cluster.workers" if cluster.mode == "colocated" else "cluster.prefill_workers + cluster.decode_workers"
+        raise ConfigError(f"{keys} = {cluster.num_workers} workers is more than cluster.gpus={gpus}")
+    scheduler = section(SchedulerConfig, _plain(cfg, "scheduler"), "scheduler")
+    max_model_len = scheduler.max_model_len or max_pos
+    if max_model_len > max_pos:
+        raise ConfigError(f"scheduler.max_model_len={max_model_len} exceeds the model's maximum {max_pos}")
+    for role in ("colocated", "prefill", "decode"):
+        try:
+            scheduler.engine(role, max_model_len)
+        except ValueError as e:
+            raise ConfigError(f"scheduler.{e}") from None
+    workload_raw = _plain(cfg, "workload")
+    if workload_raw.get("length_scale") is None:
+        tiny = model.checkpoint is None and model.model == "tiny"
+        workload_raw["length_scale"] = 0.25 if tiny else 1.0
+    return RunSpec(
+        model=model, cluster=cluster, gpus=gpus, scheduler=scheduler,
+        transfer=section(TransferConfig, _plain(cfg, "transfer"), "transfer"),
+        router=section(RouterConfig, _plain(cfg, "router"), "router"),
+        fault=section(FaultConfig, _plain(cfg, "fault"), "fault"),
+        workload=section(WorkloadConfig, workload_raw, "workload"),
+        slo=section(SLOConfig, _plain(cfg, "slo"), "slo"),
+        seed=seed, max_model_len=max_model_len, vocab_size=vocab)
+
+
+def apply_layout(cfg: DictConfig, layout: str) -> DictConfig:
+    """A copy of `cfg` with one layout's cluster and scheduler settings written in."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    gpus = out.cluster.get("gpus", 2)
+    if layout in COLOCATED_LAYOUTS:
+        out.cluster.mode, out.cluster.workers = "colocated", gpus
+        out.scheduler.policy = layout.split("-", 1)[1]
+    elif (m := LAYOUT_DISAGG.match(str(layout))) is not None:
+        p, d = int(m.group(1)), int(m.group(2))
+        if p < 1 or d < 1 or p + d != gpus:
+            raise ConfigError(f"layout={layout} uses {p} + {d} GPUs; it needs P, D >= 1 with P + D = "
+                              f"cluster.gpus={gpus}")
+        out.cluster.mode, out.cluster.prefill_workers, out.cluster.decode_workers = "disaggregated", p, d
+    else:
+        raise ConfigError(f"layout={layout!r}: write colocated-prefill_first, colocated-chunked, or <P>p<D>d "
+                          "such as 1p1d")
+    out.layout, out.compare = layout, None
+    return out
+
+
+def points(cfg: DictConfig) -> list[tuple[str | None, DictConfig, RunSpec]]:
+    """Every point this run serves: (sub-directory or None, its config, its spec), all validated."""
+    layout, compare = cfg.get("layout"), cfg.get("compare")
+    if layout is not None:
+        chosen = [(None, apply_layout(cfg, layout))]
+    elif compare:
+        if len(set(compare)) != len(compare):
+            raise ConfigError(f"compare={list(compare)} names a layout twice")
+        chosen = [(str(name), apply_layout(cfg, name)) for name in compare]
+    else:
+        chosen = [(None, cfg)]
+    return [(sub, c, parse(c)) for sub, c in chosen]

@@ -1,0 +1,121 @@
+"""Serving metrics from `requests.jsonl` rows, defined as `vllm bench serve` defines them.
+
+Per request (status "ok" only): TTFT = first token - arrival; E2EL = last token - arrival;
+TPOT = (E2EL - TTFT) / (output tokens - 1), only for requests with at least 2 output tokens;
+ITL = gaps between successive tokens, pooled over requests.
+
+Per point: duration = max(end_s) - min(arrival_s) over rows that ended; throughputs divide
+completed requests and tokens by it (0.0 when it is 0). A request is *good* when it completed with
+TTFT <= slo_ttft_ms and TPOT <= slo_tpot_ms (no TPOT, fewer than 2 tokens: meets the TPOT SLO).
+goodput = good requests / duration (DistServe); slo_attainment = good / submitted, so failed
+requests count as misses; latency statistics use completed requests only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
+
+
+def percentiles(values) -> dict:
+    """{mean, p50, p90, p99} of `values` (linear interpolation, np.percentile's default), same unit.
+
+    All None for an empty input.
+    """
+    a = np.asarray(list(values), dtype=float)
+    if a.size == 0:
+        return {"mean": None, **{k: None for k in PERCENTILES}}
+    return {"mean": float(a.mean()), **{k: float(np.percentile(a, q)) for k, q in PERCENTILES.items()}}
+
+
+def _tpot_s(row: dict) -> float | None:
+    if row["output_len"] < 2:
+        return None
+    return (row["e2e_s"] - row["ttft_s"]) / (row["output_len"] - 1)
+
+
+def _meets_slo(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    tpot = _tpot_s(row)
+    return row["ttft_s"] * 1e3 <= slo_ttft_ms and (tpot is None or tpot * 1e3 <= slo_tpot_ms)
+
+
+def summarize(rows: list[dict], slo_ttft_ms: float, slo_tpot_ms: float, num_gpus: int,
+              attainment_target: float = 0.9) -> dict:
+    """metrics.json of one point, less `point` (the caller adds it). Latencies in ms.
+
+    Besides the keys FORMATS.md lists: `total_input_tokens`, `total_output_tokens` (completed requests).
+    """
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus={num_gpus} must be positive")
+    ok = [r for r in rows if r["status"] == "ok"]
+    ended = [r for r in rows if r.get("end_s") is not None]
+    duration = max(r["end_s"] for r in ended) - min(r["arrival_s"] for r in ended) if ended else 0.0
+    input_tokens = sum(r["prompt_len"] for r in ok)
+    output_tokens = sum(r["output_len"] for r in ok)
+    num_good = sum(_meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
+
+    def per_s(x: float) -> float:
+        return x / duration if duration > 0 else 0.0
+
+    goodput = per_s(num_good)
+    return {
+        "num_submitted": len(rows),
+        "num_completed": len(ok),
+        "num_failed": len(rows) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+        "goodput": goodput,
+        "goodput_per_gpu": goodput / num_gpus,
+        "slo_attainment": num_good / len(rows) if rows else 0.0,
+        "num_gpus": num_gpus,
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_target": attainment_target},
+        "ttft_ms": percentiles(r["ttft_s"] * 1e3 for r in ok),
+        "tpot_ms": percentiles(t * 1e3 for t in map(_tpot_s, ok) if t is not None),
+        "itl_ms": percentiles(gap * 1e3 for r in ok for gap in r.get("itl_s") or ()),
+        "e2el_ms": percentiles(r["e2e_s"] * 1e3 for r in ok),
+    }
+
+
+def _line(label: str, value, fmt: str = ".2f") -> str:
+    text = "n/a" if value is None else format(value, fmt)
+    return f"{label:<40} {text:<10}".rstrip()
+
+
+_SECTIONS = [("ttft_ms", "TTFT", "Time to First Token"),
+             ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st token)"),
+             ("itl_ms", "ITL", "Inter-token Latency"),
+             ("e2el_ms", "E2EL", "End-to-end Latency")]
+
+
+def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> str:
+    """A text block shaped like `vllm bench serve`'s printout; "n/a" where a value is None."""
+    m, slo = metrics, metrics["slo"]
+    attainment = m["slo_attainment"]
+    attain_text = "n/a" if attainment is None else (
+        f"{attainment:.2%} (target {slo['attainment_target'] * 100:g}%; "
+        f"TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
+    lines = [f"{' ' + title + ' ':=^50}",
+             _line("Successful requests:", m["num_completed"], "d"),
+             _line("Failed requests:", m["num_failed"], "d"),
+             _line("Benchmark duration (s):", m["duration_s"]),
+             _line("Total input tokens:", m["total_input_tokens"], "d"),
+             _line("Total generated tokens:", m["total_output_tokens"], "d"),
+             _line("Request throughput (req/s):", m["request_throughput"]),
+             _line("Output token throughput (tok/s):", m["output_throughput"]),
+             _line("Total Token throughput (tok/s):", m["total_token_throughput"]),
+             _line("Request goodput (req/s):", m["goodput"]),
+             _line("Goodput per GPU (req/s):", m["goodput_per_gpu"]),
+             f"{'SLO attainment:':<40} {attain_text}"]
+    for key, short, name in _SECTIONS:
+        stats = m[key]
+        lines.append(f"{name:-^50}")
+        lines.append(_line(f"Mean {short} (ms):", stats["mean"]))
+        lines.append(_line(f"Median {short} (ms):", stats["p50"]))
+        lines.append(_line(f"P90 {short} (ms):", stats["p90"]))
+        lines.append(_line(f"P99 {short} (ms):", stats["p99"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
