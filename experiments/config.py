@@ -19,7 +19,7 @@ from cluster.config import ClusterConfig
 from cluster.transfer.base import TransferConfig
 from experiments.workload import WorkloadConfig
 from router.config import FaultConfig, RouterConfig
-from workers.config import CheckpointError, EngineConfig, from_hf_config, preset
+from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
 from workers.worker import ModelSpec
 
 CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
@@ -42,6 +42,10 @@ class SchedulerConfig:
     kv_cache_mb: int = 256
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}: choose one of {list(POLICIES)}")
 
     def engine(self, role: str, max_model_len: int) -> EngineConfig:
         """Prefill workers prefill whole prompts; colocated and decode workers follow `policy`.

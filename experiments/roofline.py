@@ -216,3 +216,8 @@ def measured_hardware(device: str = "auto", nvlink_bw: float = 0.0, pcie_bw: flo
 
 __all__ = ["Hardware", "HARDWARE", "Cost", "matmul_params", "prefill_cost", "decode_cost",
            "mixed_cost", "kv_transfer_time", "measured_hardware"]
+
+
+if __name__ == "__main__":
+    from experiments.roofline_cli import main
+    main()

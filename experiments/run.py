@@ -127,6 +127,8 @@ def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident
 
     ensure_ray(spec)
     pool = WorkerPool(spec.cluster, spec.model, spec.engines(), spec.transfer).start()
+    info = pool.workers[0].info
+    ident["device"], ident["dtype"] = info["gpu"] or info["device"], info["dtype"]
     try:
         router = Router(pool, spec.router, spec.transfer, spec.fault).start()
         t0 = drive(router, requests, ident["label"])
@@ -181,7 +183,7 @@ def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
     return results
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
