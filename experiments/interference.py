@@ -47,17 +47,18 @@ def measure(model: Llama, hw: Hardware, batches: list[int], context: int, chunks
     gen = torch.Generator().manual_seed(seed)
     points: list[StepPoint] = []
     for batch in batches:
-        steps_needed = (len(chunks) * repeats + 2) * 2
         budget = batch + max(chunks + [context])
-        max_len = context + max(chunks) + steps_needed + 8
+        warm_up = -(-batch * context // budget) + 1          # steps until every decode reaches context C
+        steps = warm_up + len(chunks) * (repeats + 1) + 4    # every step adds a token to each decode
         block_size = 16
-        blocks = batch * -(-(context + steps_needed + 1) // block_size) + -(-max(chunks + [1]) // block_size) + 8
+        blocks = batch * -(-(context + steps + 1) // block_size) + -(-max(chunks + [1]) // block_size) + 8
         engine = Engine(model, EngineConfig(policy="chunked", token_budget=budget, max_batch=batch + 1,
                                             block_size=block_size, num_kv_blocks=blocks,
-                                            max_model_len=min(max_len, cfg.max_position_embeddings)))
+                                            max_model_len=min(context + max(chunks) + steps + 8,
+                                                              cfg.max_position_embeddings)))
         for i in range(batch):
             prompt = torch.randint(cfg.vocab_size, (context,), generator=gen).tolist()
-            engine.add_request(f"d{i}", prompt, SamplingParams(max_tokens=steps_needed, ignore_eos=True))
+            engine.add_request(f"d{i}", prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
         while any(r.is_prefill for r in engine.requests.values()):
             engine.step()                                         # the decodes reach context C
         base = None

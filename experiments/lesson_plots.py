@@ -64,3 +64,75 @@ def interference_plot(points, path, device: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def chunking_plot(chunked: list[dict], refs: dict, path) -> None:
+    """TTFT (p50 filled, p99 open) against decode ITL p99 for each chunk size, with the references."""
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    x = [c["itl_ms"]["p99"] for c in chunked]
+    ax.plot(x, [c["ttft_ms"]["p50"] for c in chunked], marker="o", color="tab:green", label="chunked: TTFT p50")
+    ax.plot(x, [c["ttft_ms"]["p99"] for c in chunked], marker="o", mfc="none", ls=":", color="tab:green",
+            label="chunked: TTFT p99")
+    for c in chunked:
+        ax.annotate(f"chunk {c['chunk']}", (c["itl_ms"]["p99"], c["ttft_ms"]["p50"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    for (name, ref), (marker, color) in zip(refs.items(), [("*", "tab:red"), ("^", "tab:blue")]):
+        ax.scatter(ref["itl_ms"]["p99"], ref["ttft_ms"]["p50"], marker=marker, s=140, color=color,
+                   label=f"{ref['label']}: TTFT p50")
+        ax.scatter(ref["itl_ms"]["p99"], ref["ttft_ms"]["p99"], marker=marker, s=140, facecolors="none",
+                   edgecolors=color, label=f"{ref['label']}: TTFT p99")
+    ax.set_xlabel("decode inter-token latency p99 (ms)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("First-token latency against the decode ITL tail, by chunk size")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+MODE_COLORS = {"colocated_prefill_first": "#d62728", "colocated_chunked": "#2ca02c", "disaggregated": "#1f77b4",
+               "colocated-prefill_first": "#d62728", "colocated-chunked": "#2ca02c", "tie": "#bbbbbb"}
+
+
+CELL_NAMES = {"colocated_prefill_first": "prefill first", "colocated-prefill_first": "prefill first",
+              "colocated_chunked": "chunked", "colocated-chunked": "chunked", "disaggregated": "disagg.", "tie": "tie"}
+
+
+def _cells(ax, rows: list[dict], tag: str, title: str) -> None:
+    xs = sorted({r["prompt_len"] for r in rows})
+    ys = sorted({r["output_len"] for r in rows})
+    for r in rows:
+        i, j = xs.index(r["prompt_len"]), ys.index(r["output_len"])
+        winner = r["winner"]
+        color = MODE_COLORS.get(winner, MODE_COLORS["disaggregated"] if "p" in winner and "d" in winner else "#999")
+        ax.add_patch(plt.Rectangle((i - 0.5, j - 0.5), 1, 1, color=color, alpha=0.75))
+        best = r["modes"].get(winner, {}).get("goodput_per_gpu")
+        short = CELL_NAMES.get(winner, f"disagg. {winner}")
+        text = f"{short}\n{best:.3g}/s/GPU" if best is not None else short
+        ax.text(i, j, f"{text}\n({tag})", ha="center", va="center", fontsize=6.5)
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    ax.set_ylim(-0.5, len(ys) - 0.5)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("output length (tokens)")
+    ax.set_title(title, fontsize=10)
+
+
+def decision_plot(estimated: dict, measured: list[dict], path, title: str) -> None:
+    """Which mode gives the most goodput per GPU: one estimated map per SLO, then the cells measured here."""
+    n = len(estimated)
+    fig, axes = plt.subplots(1, n + 1, figsize=(6 * n + 4, 5), gridspec_kw={"width_ratios": [3] * n + [1.6]})
+    for ax, (name, est) in zip(axes, estimated.items()):
+        slo = est["slo"]
+        _cells(ax, est["grid"], "est.", f"estimated, {name} SLO (TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
+    _cells(axes[-1], measured, "meas.", "measured here")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=MODE_COLORS[k], alpha=0.75)
+               for k in ("colocated_prefill_first", "colocated_chunked", "disaggregated", "tie")]
+    fig.legend(handles, ["colocated prefill_first", "colocated chunked", "disaggregated", "tie (within 5%)"],
+               loc="lower center", ncol=4, fontsize=9)
+    fig.suptitle(f"Most goodput per GPU: {title}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,200 @@
+"""The lesson: why prefill and decode interfere, how chunked prefill moves token latency, and when to
+disaggregate, answered with numbers measured by this run.
+
+    python -m experiments.lesson [overrides]        (quick=true: the reduced version)
+
+Writes lesson.md, its figures, lesson.json (every number the text uses) and, under runs/, the
+run directories of the end-to-end measurements (each readable by experiments.report).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import decision, lesson_plots, lesson_text
+from experiments.config import ConfigError
+from experiments.interference import gap_summary, measure
+from experiments.roofline import HARDWARE
+from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, model_config, operating_points
+from experiments.run import CONF_DIR, run_points
+from workers.config import preset
+from workers.weights import build_model, parse_device, parse_dtype
+
+log = logging.getLogger("pdlab")
+MODES = {"colocated-prefill_first": "colocated prefill_first", "colocated-chunked": "colocated chunked"}
+
+
+def _disagg(gpus: int) -> str:
+    return f"{gpus // 2}p{gpus - gpus // 2}d"
+
+
+# -- 1. the roofline ----------------------------------------------------------------------------
+def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int, out: Path) -> dict:
+    r = cfg.roofline
+    mcfg = preset(r.model)
+    args = (list(r.prefill_tokens), list(r.decode_batches), r.context, r.mixed.batch, r.mixed.chunk)
+    per_hw, pts = {}, []
+    for name in r.hardware:
+        hw = HARDWARE[name]
+        pts = operating_points(mcfg, hw, DTYPE_BYTES[r.dtype], *args)
+        per_hw[name] = {"hardware": asdict(hw), "ridge": hw.ridge, "points": [asdict(p) for p in pts]}
+    here = operating_points(mcfg_here, hw_here, dtype_bytes_here, *args)
+    last = list(r.hardware)[-1]
+    lesson_plots.roofline_plot(HARDWARE[last], pts, out / "roofline.png",
+                               title=f"{mcfg.name} on {last} (circles) and {mcfg_here.name} on this device (squares)",
+                               extra=[(hw_here, here, "s")])
+    return {"model": mcfg.name, "dtype": r.dtype, "context": r.context, "mixed": dict(r.mixed),
+            "hardware": per_hw,
+            "here": {"model": mcfg_here.name, "hardware": asdict(hw_here), "ridge": hw_here.ridge,
+                     "points": [asdict(p) for p in here]}}
+
+
+# -- 2. interference, measured -------------------------------------------------------------------
+def interference_section(cfg: DictConfig, model, hw, device: str, out: Path) -> dict:
+    i = cfg.interference
+    pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed)
+    lesson_plots.interference_plot(pts, out / "interference.png", device)
+    return {"device": device, "hardware": asdict(hw), "context": i.context, "points": [p.to_dict() for p in pts],
+            "gap": gap_summary(pts)}
+
+
+# -- serving points through the run machinery ---------------------------------------------------
+def serve(overrides: list[str], out: Path) -> dict:
+    """One point, served exactly as `python -m experiments.run` would (same code, same files)."""
+    pcfg = compose("config", overrides=["compare=null", "report=false", *overrides])
+    (result,) = run_points(pcfg, out, ",".join(overrides))
+    if "error" in result:
+        raise RuntimeError(f"{result['point']['label']}: {result['error']}")
+    return result
+
+
+def common(cfg: DictConfig) -> list[str]:
+    model = [f"model={cfg.model.name}"] + ([f"model.checkpoint={cfg.model.checkpoint}"] if cfg.model.checkpoint else [])
+    slo = [f"slo.{k}={v}" for k, v in cfg.slo.items()]
+    return [*model, *slo, f"seed={cfg.seed}", f"cluster.gpus={cfg.gpus}"]
+
+
+def summary(metrics: dict) -> dict:
+    keep = ("goodput", "goodput_per_gpu", "slo_attainment", "num_completed", "num_submitted", "duration_s")
+    out = {k: metrics[k] for k in keep}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        out[key] = metrics[key]
+    out["label"] = metrics["point"]["label"]
+    return out
+
+
+# -- 3. chunked prefill and token latency --------------------------------------------------------
+def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
+    c = cfg.chunking
+    base = common(cfg) + [f"workload={c.workload}", f"workload.rate={c.rate}", f"workload.num_requests={c.num_requests}"]
+    chunked = [{"chunk": size, **summary(serve(base + ["layout=colocated-chunked", f"scheduler.token_budget={size}"],
+                                               runs / f"chunked_{size}"))} for size in c.chunk_sizes]
+    refs = {"prefill_first": summary(serve(base + ["layout=colocated-prefill_first"], runs / "prefill_first")),
+            "disaggregated": summary(serve(base + [f"layout={_disagg(cfg.gpus)}"], runs / "disaggregated"))}
+    lesson_plots.chunking_plot(chunked, refs, out / "chunking.png")
+    return {"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "chunked": chunked, "refs": refs}
+
+
+# -- 4. when to disaggregate ---------------------------------------------------------------------
+def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
+    m, e = cfg.decision.measured, cfg.decision.estimated
+    layouts = ["colocated-prefill_first", "colocated-chunked", _disagg(cfg.gpus)]
+    measured = []
+    for lp in m.prompt_lens:
+        for lo in m.output_lens:
+            base = common(cfg) + ["workload=fixed", "workload.arrival=poisson", f"workload.rate={m.rate}",
+                                  f"workload.num_requests={m.num_requests}", "workload.length_scale=1.0",
+                                  f"workload.prompt_len.value={lp}", f"workload.output_len.value={lo}"]
+            modes = {lay: summary(serve(base + [f"layout={lay}"], runs / f"p{lp}_o{lo}" / lay)) for lay in layouts}
+            measured.append({"prompt_len": lp, "output_len": lo, "modes": modes, "winner": _winner(modes)})
+    mcfg, hw = preset(e.model), HARDWARE[e.hardware]
+    estimated = {}
+    for name, slo_ms in e.slos.items():
+        slo = (slo_ms.ttft_ms / 1e3, slo_ms.tpot_ms / 1e3)
+        grid = []
+        for lp in e.prompt_lens:
+            for lo in e.output_lens:
+                ests = decision.estimate(mcfg, hw, e.gpus, lp, lo, e.link_bw, *slo)
+                grid.append({"prompt_len": lp, "output_len": lo, "winner": decision.best(ests).mode,
+                             "modes": {x.mode: {"goodput_per_gpu": x.goodput_per_gpu, "ttft_s": x.ttft_s,
+                                                "tpot_s": x.tpot_s, "detail": _plain(x.detail)} for x in ests}})
+        by_prompt = decision.crossover_prompt_len(mcfg, hw, e.gpus, e.crossover_output_len, e.link_bw, *slo,
+                                                  prompt_lens=list(e.prompt_lens))
+        by_link = decision.crossover_link_bw(mcfg, hw, e.gpus, e.crossover_prompt_len, e.crossover_output_len, *slo,
+                                             link_bws=list(e.link_bws))
+        estimated[name] = {"slo": dict(slo_ms), "grid": grid, "by_prompt": _plain(by_prompt), "by_link": _plain(by_link)}
+    lesson_plots.decision_plot(estimated, measured, out / "decision.png",
+                               title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
+    return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
+            "estimated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
+                          "crossover_output_len": e.crossover_output_len,
+                          "crossover_prompt_len": e.crossover_prompt_len, "by_slo": estimated}}
+
+
+def _winner(modes: dict, tie: float = 0.05) -> str:
+    """The layout with the most goodput per GPU; "tie" when the best two are within 5%."""
+    ranked = sorted(modes.items(), key=lambda kv: kv[1]["goodput_per_gpu"] or 0.0, reverse=True)
+    top, second = ranked[0][1]["goodput_per_gpu"] or 0.0, ranked[1][1]["goodput_per_gpu"] or 0.0
+    return "tie" if top == 0 or second >= (1 - tie) * top else ranked[0][0]
+
+
+def _plain(x):
+    return json.loads(json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+# -- the command ---------------------------------------------------------------------------------
+def run(cfg: DictConfig, out: Path) -> dict:
+    if cfg.quick:
+        cfg = OmegaConf.merge(cfg, cfg.quick_overrides)
+    started = time.time()
+    device = parse_device(cfg.model.device)
+    dtype = parse_dtype("bfloat16" if device.type == "cuda" else "float32") if cfg.model.dtype == "auto" \
+        else parse_dtype(cfg.model.dtype)
+    hw = HardwareSpec(**OmegaConf.to_container(cfg.hardware, resolve=True)).resolve()
+    model = build_model(model=None if cfg.model.checkpoint else cfg.model.name, checkpoint=cfg.model.checkpoint,
+                        dtype=dtype, device=device, seed=cfg.seed)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} threads"
+    results = {"device": where, "model": model.cfg.name, "dtype": str(dtype).removeprefix("torch."),
+               "quick": bool(cfg.quick), "gpus": cfg.gpus}
+    print(f"1/4 roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
+    results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
+    print(f"2/4 interference measured on {where}")
+    results["interference"] = interference_section(cfg, model, hw, where, out)
+    del model
+    runs = out / "runs"
+    print("3/4 chunked prefill end to end")
+    results["chunking"] = chunking_section(cfg, runs / "chunking", out)
+    print("4/4 when to disaggregate")
+    results["decision"] = decision_section(cfg, runs / "decision", out)
+    results["elapsed_s"] = time.time() - started
+    (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))
+    (out / "lesson.md").write_text(lesson_text.render(_plain(results)))
+    return results
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="lesson")
+def main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    logging.getLogger("pdlab").setLevel(logging.INFO)
+    try:
+        results = run(cfg, out)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    print(f"lesson: {out / 'lesson.md'} ({results['elapsed_s']:.0f} s)")
+    print(json.dumps({"lesson": str(out / "lesson.md"), "elapsed_s": round(results["elapsed_s"], 1),
+                      "quick": results["quick"], "device": results["device"]}))
+
+
+if __name__ == "__main__":
+    main()
