@@ -1,7 +1,7 @@
 """Fixed-size KV blocks: a free list and reference counts, in pure Python (no device needed).
 
-A request's block table holds one reference per block. A KV export in flight takes another
-(`hold`), so the request can finish and free its own while the bytes are still being read.
+A request's block table holds one reference per block; a block returns to the free list when its
+last reference is dropped, and a double free is caught rather than corrupting the list.
 """
 from __future__ import annotations
 
@@ -44,11 +44,6 @@ class BlockManager:
             assert self.ref_counts[block] == 0, f"free block {block} has references"
             self.ref_counts[block] = 1
             block_ids.append(block)
-
-    def hold(self, block_ids: list[int]) -> None:
-        for block in block_ids:
-            assert self.ref_counts[block] > 0, f"hold on free block {block}"
-            self.ref_counts[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks at zero return to the free list."""

@@ -52,6 +52,7 @@ class TokenEvent:
     token: int
     time: float
     finish_reason: str | None = None   # "length", "stop", or "handoff" (prefill role)
+    first_scheduled: float | None = None  # on the first token made here: when its first step began
 
 
 class Engine:
@@ -160,18 +161,18 @@ class Engine:
             self._free(req)
             req.status, req.finish_reason = Status.FINISHED, reason
             del self.requests[req.id]
-        return TokenEvent(req.id, token, now, reason)
+        first = req.first_scheduled_time if len(req.token_times) == 1 else None
+        return TokenEvent(req.id, token, now, reason, first)
 
     def _free(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
         req.block_ids = []
 
-    def run(self, max_steps: int | None = None) -> list[TokenEvent]:
-        """Step until no work is left (or `max_steps`); returns every event."""
-        events, steps = [], 0
-        while self.has_work() and (max_steps is None or steps < max_steps):
+    def run(self) -> list[TokenEvent]:
+        """Step until no work is left; returns every event."""
+        events = []
+        while self.has_work():
             events += self.step()
-            steps += 1
         return events
 
     # -- handoff --------------------------------------------------------------------------------

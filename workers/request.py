@@ -78,10 +78,6 @@ class Request:
         """More than one token still to compute: the prompt, or a recomputation after preemption."""
         return self.num_tokens - self.num_computed_tokens > 1
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.FAILED)
-
 
 def validate_request(request_id, prompt_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """The rules every engine (and the router, before any engine) applies to a request."""

@@ -118,17 +118,10 @@ class Worker:
             if not self._events:
                 self._cond.wait(timeout_s)
             events, self._events = self._events, []
-        e = self.engine
-        load = {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                "kv_used": e.blocks.num_used, "kv_total": e.blocks.num_blocks,
-                "pending_imports": len(self._arrivals)}
-        return {"events": events, "load": load, "now": time.time()}
+        return {"events": events}
 
     def trace(self) -> list[dict]:
         return [s.to_dict() for s in list(self.engine.trace)]
-
-    def ping(self) -> float:
-        return time.time()
 
     # -- the loop thread ------------------------------------------------------------------------
     def _emit(self, event: dict) -> None:
@@ -208,9 +201,8 @@ class Worker:
         first_scheduled, tokens, handoffs = {}, [], []
         for ev in events:
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
-            req = self.engine.requests.get(ev.request_id)
-            if req is not None and len(req.token_times) == 1:
-                first_scheduled[ev.request_id] = req.first_scheduled_time
+            if ev.first_scheduled is not None:
+                first_scheduled[ev.request_id] = ev.first_scheduled
             if ev.finish_reason == "handoff":
                 handoffs.append(ev)
         for ev in handoffs:          # start the KV on its way before telling the router
