@@ -25,10 +25,10 @@ from experiments import decision, lesson_plots, lesson_text
 from experiments.config import ConfigError
 from experiments.interference import gap_summary, measure
 from experiments.roofline import HARDWARE
-from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, model_config, operating_points
+from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
 from experiments.run import CONF_DIR, run_points
 from workers.config import preset
-from workers.weights import build_model, parse_device, parse_dtype
+from workers.weights import build_model, parse_device, resolve_dtype
 
 log = logging.getLogger("pdlab")
 MODES = {"colocated-prefill_first": "colocated prefill_first", "colocated-chunked": "colocated chunked"}
@@ -158,8 +158,7 @@ def run(cfg: DictConfig, out: Path) -> dict:
         cfg = OmegaConf.merge(cfg, cfg.quick_overrides)
     started = time.time()
     device = parse_device(cfg.model.device)
-    dtype = parse_dtype("bfloat16" if device.type == "cuda" else "float32") if cfg.model.dtype == "auto" \
-        else parse_dtype(cfg.model.dtype)
+    dtype = resolve_dtype(cfg.model.dtype, device)
     hw = HardwareSpec(**OmegaConf.to_container(cfg.hardware, resolve=True)).resolve()
     model = build_model(model=None if cfg.model.checkpoint else cfg.model.name, checkpoint=cfg.model.checkpoint,
                         dtype=dtype, device=device, seed=cfg.seed)

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     line("router adds per token (p50 of |difference|)", "router_added_ms_per_token_p50",
          f"   target < 1 ms: {'met' if out['router_target_met'] else 'MISSED'}")
     line("token delivery, worker -> router (p50)", "token_delivery_ms_p50")
-    line(f"KV transfer, send start -> last byte (p50)", "transfer_ms_p50", f"   ({out['kv_bytes_p50']:.0f} B)")
+    line("KV transfer, send start -> last byte (p50)", "transfer_ms_p50", f"   ({out['kv_bytes_p50']:.0f} B)")
     line("handoff: first token -> first decode step", "handoff_ms_p50")
     line("  beyond the transfer", "handoff_beyond_transfer_ms_p50")
     line("    of which: decode step already running", "decode_step_wait_ms_p50")

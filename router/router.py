@@ -10,6 +10,7 @@ and asks for the rest, so the client's stream continues without repeats.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -64,7 +65,7 @@ class Router:
         self.prefill_policy = PREFILL_POLICIES[cfg.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.decode_policy]()
         self.records: dict[str, RequestRecord] = {}
-        self._params: dict[str, dict] = {}
+        self._params: dict[str, SamplingParams] = {}
         self._attempts: dict[str, Attempt] = {}
         self._num_handoffs = 0
         self.transport_errors: list[str] = []
@@ -97,9 +98,7 @@ class Router:
             except InvalidRequest as e:
                 self._fail(rec, f"rejected: {e.reason}")
                 return rec
-            self._params[rec.id] = {"temperature": float(params.temperature), "top_p": float(params.top_p),
-                                    "seed": params.seed, "stop_token_ids": list(params.stop_token_ids),
-                                    "ignore_eos": params.ignore_eos}
+            self._params[rec.id] = params
             self._dispatch(rec)
             return rec
 
@@ -173,8 +172,8 @@ class Router:
         if kind == "handoff":
             self._num_handoffs += 1
             drop = rec.attempts == 1 and self._num_handoffs == self.faults.timeout_transfer_of
-        params = dict(self._params[rec.id], max_tokens=rec.max_tokens - len(rec.output_ids))
-        prefill.actor.submit.remote(att.aid, prompt, params, decode.rank if kind == "handoff" else None, drop)
+        params = dataclasses.replace(self._params[rec.id], max_tokens=rec.max_tokens - len(rec.output_ids))
+        prefill.actor.submit.remote(att.aid, prompt, params.to_dict(), decode.rank if kind == "handoff" else None, drop)
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         """Forget an attempt: release its load and (unless it finished) tell live workers to drop it."""

@@ -17,7 +17,7 @@ import time
 from workers.config import CheckpointError, EngineConfig
 from workers.engine import Engine
 from workers.request import InvalidRequest, SamplingParams, Status
-from workers.weights import build_model, parse_device, parse_dtype
+from workers.weights import build_model, parse_device, resolve_dtype
 
 FIELDS = {"id", "prompt_ids", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos"}
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         device = parse_device(args.device)
-        dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        dtype = resolve_dtype(args.dtype, device)
         ecfg = EngineConfig(policy=args.policy, token_budget=args.token_budget, block_size=args.block_size,
                             max_batch=args.max_batch, max_model_len=args.max_model_len,
                             kv_cache_bytes=args.kv_cache_mb << 20)

@@ -35,6 +35,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def to_dict(self) -> dict:
+        """Plain types only: what crosses to a worker (Ray) or onto the KV wire (msgpack)."""
+        return {"max_tokens": self.max_tokens, "temperature": float(self.temperature), "top_p": float(self.top_p),
+                "seed": self.seed, "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
 
 @dataclass(eq=False)
 class Request:

@@ -24,6 +24,13 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype={name!r}: choose one of {sorted(DTYPES)}") from None
 
 
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`auto` (or None): bfloat16 on a GPU, float32 on a CPU; otherwise the named dtype."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return parse_dtype(name)
+
+
 def parse_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -31,7 +31,7 @@ from cluster.transfer.wire import Expect, handoff_for
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.request import InvalidRequest, SamplingParams
-from workers.weights import build_model, parse_device, parse_dtype
+from workers.weights import build_model, parse_device, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ class Worker:
         self.rank = rank
         self.role = engine_cfg.role
         device = parse_device(spec.device)
-        dtype = parse_dtype("bfloat16" if spec.dtype == "auto" and device.type == "cuda"
-                            else "float32" if spec.dtype == "auto" else spec.dtype)
+        dtype = resolve_dtype(spec.dtype, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         model = build_model(model=spec.model if spec.checkpoint is None else None,
@@ -247,9 +246,7 @@ class Worker:
 
 def _params(rid, params: dict) -> SamplingParams:
     try:
-        p = dict(params)
-        p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
-        return SamplingParams(**p)
+        return SamplingParams.from_dict(params)
     except TypeError as e:
         raise InvalidRequest(rid, f"bad sampling parameters: {e}") from None
 

@@ -38,9 +38,7 @@ class KVHandoff:
 
     @property
     def sampling(self) -> SamplingParams:
-        p = dict(self.params)
-        p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
-        return SamplingParams(**p)
+        return SamplingParams.from_dict(self.params)
 
     def encode(self) -> bytes:
         d = asdict(self)
@@ -116,8 +114,5 @@ def decode_header(data: bytes, expect: Expect) -> KVHandoff:
 
 
 def handoff_for(req, kv: torch.Tensor, first_token_time: float) -> KVHandoff:
-    p = req.params
-    params = {"max_tokens": p.max_tokens, "temperature": float(p.temperature), "top_p": float(p.top_p),
-              "seed": p.seed, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
-    return KVHandoff(req.id, list(req.prompt_ids), req.output_ids[0], first_token_time, params,
+    return KVHandoff(req.id, list(req.prompt_ids), req.output_ids[0], first_token_time, req.params.to_dict(),
                      str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
