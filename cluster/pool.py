@@ -17,7 +17,8 @@ from cluster.config import PLACEMENTS, ClusterConfig
 from cluster.ray_cluster import ClusterError, check_resources
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
-from workers.worker import ModelSpec, Worker
+from cluster.worker import Worker
+from workers.weights import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from cluster.transfer.base import TransferConfig
 from experiments.workload import WorkloadConfig
 from router.config import FaultConfig, RouterConfig
 from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
-from workers.worker import ModelSpec
+from workers.weights import ModelSpec
 
 CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
 LAYOUT_DISAGG = re.compile(r"^(\d+)p(\d+)d$")

@@ -23,7 +23,7 @@ from cluster.transfer.base import TransferConfig
 from router.router import Router
 from workers.config import EngineConfig
 from workers.request import SamplingParams
-from workers.worker import ModelSpec
+from workers.weights import ModelSpec
 
 
 def median_ms(values) -> float:

@@ -16,7 +16,7 @@ from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.request import SamplingParams
 from workers.weights import build_model
-from workers.worker import ModelSpec
+from workers.weights import ModelSpec
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

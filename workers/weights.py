@@ -7,12 +7,24 @@ time (safetensors maps them from disk) and copied into the fused projections.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workers.config import CheckpointError, ModelConfig, from_hf_config, preset
 from workers.model import Llama
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model a worker builds, where, in which dtype: what crosses to a remote worker."""
+
+    model: str | None = "tiny"           # preset with random weights ...
+    checkpoint: str | None = None        # ... or a local Hugging Face directory
+    dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    seed: int = 0
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

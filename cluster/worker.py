@@ -1,7 +1,8 @@
 """One worker per GPU: an engine, the thread that steps it, and its ends of the KV wires.
 
-Runs inside a threaded Ray actor (see cluster/pool.py). Only the loop thread touches the engine;
-remote calls put work in an inbox and read events from an outbox. `poll` is a long poll: it
+Runs inside a threaded Ray actor (see pool.py); the engine it steps (workers/) knows nothing of Ray or
+the wires. Only the loop thread touches the engine; remote calls put work in an inbox and read events
+from an outbox. `poll` is a long poll: it
 returns every event since the last poll (whole steps' tokens at once), or waits for the next.
 
 Events (plain dicts, one per kind):
@@ -22,7 +23,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 
@@ -31,16 +31,7 @@ from cluster.transfer.wire import Expect, handoff_for
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.request import InvalidRequest, SamplingParams
-from workers.weights import build_model, parse_device, resolve_dtype
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    model: str | None = "tiny"           # preset with random weights ...
-    checkpoint: str | None = None        # ... or a local Hugging Face directory
-    dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
-    device: str = "auto"
-    seed: int = 0
+from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
 
 
 class Worker:
