@@ -25,7 +25,7 @@ def prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     while engine.has_work():
         sched = engine.scheduler.schedule()
         ids, meta = engine.runner.prepare(sched)
-        rows.append(engine.model.logits(engine.model(ids, engine.cache.pool, meta)))
+        rows.append(engine.model.logits(engine.runner.forward(ids, meta)))
         done = sched.prefills[-1].completes
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
@@ -34,11 +34,16 @@ def prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
+ATTENTION = ["cpu", "flex", "reference"]     # flex is the GPU path: on a CPU it runs unfused, but runs
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("token_budget", [512, 13])
-def test_logits_match_hf_float32(hf_pair, token_budget):
+def test_logits_match_hf_float32(hf_pair, token_budget, attention):
     hf, ckpt = hf_pair
     model = load_checkpoint(ckpt, torch.float32, CPU)
-    engine = Engine(model, EngineConfig(token_budget=token_budget, block_size=8, num_kv_blocks=64))
+    engine = Engine(model, EngineConfig(token_budget=token_budget, block_size=8, num_kv_blocks=64,
+                                        attention=attention))
     prompt = random_prompts(1, hf.config.vocab_size, [45], seed=3)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -55,11 +60,12 @@ def test_logits_match_hf_float32(hf_pair, token_budget):
     ("chunked", 64, 5),
     ("chunked", 33, 3),
 ])
-def test_greedy_batch_matches_hf(hf_pair, policy, token_budget, block_size):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_greedy_batch_matches_hf(hf_pair, policy, token_budget, block_size, attention):
     hf, ckpt = hf_pair
     model = load_checkpoint(ckpt, torch.float32, CPU)
     engine = Engine(model, EngineConfig(policy=policy, token_budget=token_budget, block_size=block_size,
-                                        num_kv_blocks=512 // block_size * 4))
+                                        num_kv_blocks=512 // block_size * 4, attention=attention))
     # lengths that are multiples of neither the chunk size nor the block size
     prompts = random_prompts(5, hf.config.vocab_size, [1, 19, 77, 150, 3], seed=11)
     n_new = 34

@@ -174,6 +174,8 @@ class EngineConfig:
     kv_cache_bytes: int = 256 << 20  # CPU pool budget
     gpu_memory_utilization: float = 0.85  # GPU pool: this share of memory, less weights and activations
     role: str = "colocated"
+    attention: str = "auto"          # auto | cpu | flex | reference (workers/attention.py)
+    compile: bool = False            # torch.compile the model (inductor; CUDA graphs are separate)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -35,6 +35,9 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_preempted: int
+    prepare_s: float = 0.0     # of the step's time: building its inputs,
+    forward_s: float = 0.0     # the model,
+    sample_s: float = 0.0      # and choosing the tokens
 
     @property
     def duration(self) -> float:
@@ -71,7 +74,8 @@ class Engine:
         self.cache = KVCache(self.mcfg, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, self.cache, self.max_model_len)
+        self.runner = ModelRunner(model, self.cache, self.max_model_len, max_tokens=cfg.token_budget,
+                                  max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []
 
@@ -140,7 +144,8 @@ class Engine:
             num_prefill_seqs=len(sched.prefills), num_decode_seqs=len(sched.decodes),
             num_tokens=sched.num_tokens, num_blocks_used=self.blocks.num_used,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_preempted=len(sched.preempted)))
+            num_preempted=len(sched.preempted), prepare_s=self.runner.times.prepare_s,
+            forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s))
         return events
 
     def _append(self, req: Request, token: int, now: float) -> TokenEvent:
@@ -190,7 +195,7 @@ class Engine:
         req.status, req.finish_reason = Status.FINISHED, "handoff"
 
     def can_import(self, num_tokens: int) -> bool:
-        return self.blocks.can_allocate([], num_tokens)
+        return len(self.scheduler.running) < self.cfg.max_batch and self.blocks.can_allocate([], num_tokens)
 
     def import_request(self, request_id, prompt_ids, first_token: int, params: SamplingParams,
                        kv: torch.Tensor | list[tuple[int, torch.Tensor]],

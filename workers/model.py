@@ -1,40 +1,20 @@
 """The Llama transformer over a paged KV cache: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
 
 One forward call computes a flat batch of new tokens from many requests (the engine's step):
-decode queries (one token each) first, then prefill chunks. Attention reads the past from the
-paged cache; the new tokens' K and V are written into it before attention reads.
+decode queries (one token each) first, then prefill chunks. Each layer writes the new tokens' K and
+V into the paged pool, then one attention call (workers/attention.py) reads every sequence's
+context from the pool in place.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.attention import AttentionMetadata, store_kv
 from workers.config import ModelConfig, RopeScaling
-
-
-@dataclass
-class PrefillSpan:
-    """One request's prompt chunk inside the flat batch."""
-
-    start: int                 # first row in the flat batch
-    num_new: int               # tokens computed this step
-    num_cached: int            # tokens of this request already in the cache
-    block_table: torch.Tensor  # [num_blocks] long, covers num_cached + num_new tokens
-    mask: torch.Tensor | None  # [num_new, num_cached + num_new] bool, None when num_cached == 0
-
-
-@dataclass
-class AttentionMetadata:
-    positions: torch.Tensor        # [T] long
-    slot_mapping: torch.Tensor     # [T] long: where each new token's K/V goes in the flat pool
-    num_decodes: int               # rows [0, num_decodes) are decode queries
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] long
-    decode_mask: torch.Tensor | None          # [Bd, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillSpan]
 
 
 class RMSNorm(nn.Module):
@@ -44,10 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:     # one fused kernel; the same formula as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -66,11 +47,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(in_band, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rotary(nn.Module):
     """cos/sin tables for every position up to max_len, computed once in float32."""
 
@@ -79,13 +55,20 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
         freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                  # [max_len, head_dim]
+        sin = emb.sin()
+        half = cfg.head_dim // 2
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin: the first half of the sines negated
+        self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
-    def forward(self, q, k, positions):                          # q [T, H, D], k [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)       # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, D] at `positions`: looked up once per step, shared by every layer."""
+        return self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) (HF's convention)."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -93,49 +76,19 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Parameter(torch.empty(q_size + 2 * kv_size, cfg.hidden_size, dtype=dtype))
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, q_size, dtype=dtype))
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, rotary: Rotary, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, backend):
         # x [T, hidden]; k_cache, v_cache [num_blocks, block_size, KVH, D]
-        T = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, meta.positions)
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
-
-        out = torch.empty_like(q)                                # [T, H, D]
-        bd = meta.num_decodes
-        if bd:
-            # Decode: one query per request against its whole context, padded to the longest.
-            kk = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [Bd, KVH, L, D]
-            vv = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:bd].unsqueeze(2), kk, vv, attn_mask=meta.decode_mask,
-                                               scale=self.scale, enable_gqa=True)  # [Bd, H, 1, D]
-            out[:bd] = o.squeeze(2)
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.num_new)
-            qq = q[rows].transpose(0, 1).unsqueeze(0)               # [1, H, n, D]
-            if span.num_cached == 0:
-                kk = k[rows].transpose(0, 1).unsqueeze(0)           # [1, KVH, n, D]
-                vv = v[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale,
-                                                   enable_gqa=True)
-            else:
-                ctx = span.num_cached + span.num_new
-                kk = k_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-                vv = v_cache[span.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=span.mask, scale=self.scale,
-                                                   enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
-        return F.linear(out.view(T, -1), self.o_proj)
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_proj).view(T, H + 2 * self.num_kv_heads, D)
+        qk = apply_rotary(qkv[:, :H + self.num_kv_heads], meta.cos, meta.sin)   # q and k rotated together
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + self.num_kv_heads:]
+        store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale)       # [T, H, D]
+        return F.linear(out.reshape(T, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -157,8 +110,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, k_cache, v_cache, meta)
+    def forward(self, x, k_cache, v_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,12 +131,12 @@ class Llama(nn.Module):
     def set_max_len(self, max_len: int, device: torch.device) -> None:
         self.rotary = Rotary(self.cfg, max_len, device)
 
-    @torch.inference_mode()
-    def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden]. kv_cache [L, 2, NB, BS, KVH, D]."""
+    def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]. kv_cache [L, 2, NB, BS, KVH, D]; `meta.cos`
+        and `meta.sin` hold the rotary tables at the step's positions (`Rotary.tables`)."""
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rotary, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = layer(x, kv_cache[i, 0], kv_cache[i, 1], meta, backend)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -1,65 +1,121 @@
-"""Turns a scheduler output into one forward pass over the paged cache, and samples."""
+"""Turns a scheduler output into one forward pass over the paged cache, and samples.
+
+Step preparation touches Python once per sequence, never per token: ids are sliced out of each
+request's token list, block tables copied row by row, and positions and slot mappings computed
+with array arithmetic, all into buffers allocated once for the largest step the engine can run.
+On a GPU those buffers live in pinned host memory and are copied to persistent device buffers,
+so the addresses a CUDA graph captured stay valid (workers/cuda_graphs.py).
+"""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from workers.attention import AttentionMetadata, make_backend
 from workers.kv_cache import KVCache
-from workers.model import AttentionMetadata, Llama, PrefillSpan
+from workers.model import Llama
 from workers.sampler import sample
 from workers.scheduler import SchedulerOutput
 
 
+@dataclass
+class StepTimes:
+    prepare_s: float = 0.0     # building the step's inputs
+    forward_s: float = 0.0     # the model (and the attention backend's per-step setup)
+    sample_s: float = 0.0      # logits of the rows that complete, and the choice of tokens
+
+
+class StepBuffers:
+    """Host arrays for the largest step, and the device tensors the model reads (the same memory on
+    a CPU; persistent device copies on a GPU)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        pin = device.type == "cuda"
+
+        def host(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.device = device
+        self._host = {"ids": host(max_tokens, dtype=torch.long), "positions": host(max_tokens, dtype=torch.long),
+                      "slots": host(max_tokens, dtype=torch.long), "q_start": host(max_seqs + 1, dtype=torch.int32),
+                      "ctx_len": host(max_seqs, dtype=torch.int32),
+                      "block_tables": host(max_seqs, max_blocks, dtype=torch.int32)}
+        self.np = {k: v.numpy() for k, v in self._host.items()}
+        self._dev = self._host if not pin else {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
+
+    def device_view(self, name: str, *shape: int) -> torch.Tensor:
+        """The first `shape` of buffer `name` on the device (copied there from the host on a GPU)."""
+        index = tuple(slice(0, n) for n in shape)
+        dev = self._dev[name][index]
+        if self._dev is not self._host:
+            dev.copy_(self._host[name][index], non_blocking=True)
+        return dev
+
+
 class ModelRunner:
-    def __init__(self, model: Llama, cache: KVCache, max_model_len: int):
+    def __init__(self, model: Llama, cache: KVCache, max_model_len: int, max_tokens: int, max_seqs: int,
+                 attention: str = "auto", compile: bool = False):
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.backend = make_backend(attention, self.device, cache.dtype)
         model.set_max_len(max_model_len, self.device)
-
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        self.buffers = StepBuffers(max_tokens, max_seqs, -(-max_model_len // self.block_size), self.device)
+        self.times = StepTimes()
+        self._model = torch.compile(model, dynamic=True) if compile else model
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids, positions, slots = [], [], []
-        for chunk in sched.chunks:                                # decodes first, then prefills
-            req, start = chunk.request, chunk.request.num_computed_tokens
-            for pos in range(start, start + chunk.num_tokens):
-                ids.append(req.token_ids[pos])
-                positions.append(pos)
-                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
-
-        decode_tables = decode_mask = None
-        if sched.decodes:
-            max_blocks = max(len(c.request.block_ids) for c in sched.decodes)
-            tables = [c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids)) for c in sched.decodes]
-            decode_tables = self._tensor(tables)                  # [Bd, max_blocks]
-            ctx = self._tensor([c.request.num_computed_tokens + 1 for c in sched.decodes])
-            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < ctx[:, None])
-            decode_mask = decode_mask[:, None, None, :]           # [Bd, 1, 1, L]
-
-        spans, row = [], len(sched.decodes)
-        for chunk in sched.prefills:
-            req, cached, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_tokens
-            mask = None
-            if cached:
-                q_pos = torch.arange(cached, cached + n, device=self.device)
-                mask = torch.arange(cached + n, device=self.device)[None, :] <= q_pos[:, None]  # [n, ctx]
-            n_blocks = -(-(cached + n) // bs)
-            spans.append(PrefillSpan(row, n, cached, self._tensor(req.block_ids[:n_blocks]), mask))
+        chunks, bs, buf = sched.chunks, self.block_size, self.buffers.np
+        S = len(chunks)
+        starts = np.fromiter((c.request.num_computed_tokens for c in chunks), np.int64, S)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, S)
+        T = int(lens.sum())
+        ctx = starts + lens
+        num_blocks = (ctx + bs - 1) // bs
+        tables, ids, row = buf["block_tables"], buf["ids"], 0
+        for i, c in enumerate(chunks):                            # decodes first, then prefills
+            req, n, start = c.request, c.num_tokens, int(starts[i])
+            ids[row:row + n] = req.token_ids[start:start + n]
+            tables[i, :num_blocks[i]] = req.block_ids[:num_blocks[i]]
             row += n
+        q_start = buf["q_start"][:S + 1]
+        q_start[0] = 0
+        np.cumsum(lens, out=q_start[1:])
+        buf["ctx_len"][:S] = ctx
+        seq = np.repeat(np.arange(S), lens)                       # sequence of each row
+        positions = buf["positions"][:T]
+        np.add(np.arange(T) - q_start[seq], starts[seq], out=positions)
+        np.add(tables[seq, positions // bs] * bs, positions % bs, out=buf["slots"][:T])
 
-        meta = AttentionMetadata(positions=self._tensor(positions), slot_mapping=self._tensor(slots),
-                                 num_decodes=len(sched.decodes), decode_block_tables=decode_tables,
-                                 decode_mask=decode_mask, prefills=spans)
-        return self._tensor(ids), meta
+        b = self.buffers
+        max_blocks = int(num_blocks.max())
+        meta = AttentionMetadata(
+            positions=b.device_view("positions", T), slot_mapping=b.device_view("slots", T),
+            block_tables=b.device_view("block_tables", S, max_blocks), q_start=b.device_view("q_start", S + 1),
+            ctx_len=b.device_view("ctx_len", S), num_decodes=len(sched.decodes),
+            q_lens=lens.tolist(), ctx_lens=ctx.tolist())
+        return b.device_view("ids", T), meta
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        meta.cos, meta.sin = self.model.rotary.tables(meta.positions, self.cache.dtype)
+        self.backend.prepare(meta, self.block_size, self.cache.num_blocks)
+        with torch.no_grad():       # not inference_mode: compiled graphs mutate the pool in place
+            return self._model(input_ids, self.cache.pool, meta, self.backend)
 
     def execute(self, sched: SchedulerOutput) -> list[int | None]:
         """Run the step; one entry per chunk (decodes, then prefills): its new token, or None
         for a prompt chunk that leaves the request short of its next token."""
+        t0 = time.perf_counter()
         input_ids, meta = self.prepare(sched)
-        hidden = self.model(input_ids, self.cache.pool, meta)
+        t1 = time.perf_counter()
+        hidden = self.forward(input_ids, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
         rows, reqs, last = [], [], 0
         for chunk in sched.chunks:
             last += chunk.num_tokens
@@ -67,5 +123,6 @@ class ModelRunner:
                 rows.append(last - 1)
                 reqs.append(chunk.request)
         tokens = sample(self.model.logits(hidden[rows]), reqs) if rows else []
+        self.times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         it = iter(tokens)
         return [next(it) if chunk.completes else None for chunk in sched.chunks]

@@ -1,0 +1,235 @@
+/* Paged attention on the CPU: every query of a step, decode and prefill alike, reads its keys and
+ * values in place from the paged KV pool through its sequence's block table (no gathered copy).
+ *
+ * One call covers the whole step (varlen): sequence s owns queries [q_start[s], q_start[s+1]) and
+ * keys at positions [0, ctx_len[s]); its last query sits at position ctx_len[s] - 1, and each query
+ * attends causally to the keys up to its own position. Grouped-query attention: the G = H / KVH
+ * query heads of one KV head are processed together, so each key and value row is read once per
+ * query tile, not once per head.
+ *
+ * Work item = (sequence, KV head, tile of queries), run in parallel with OpenMP (the runtime torch
+ * itself uses, so torch.set_num_threads governs it). Within an item, keys are visited in chunks of
+ * up to 16 keys of one block (one vector of float32 lanes) with an online softmax, flash-attention
+ * style: a running max and sum per query row, the output accumulated in float32 and divided once
+ * at the end. Scores are computed 8 rows at a time and values accumulated into 8 vectors at a
+ * time, so the multiply-adds form independent chains (one chain would wait on its own latency).
+ *
+ * Layouts (float32):
+ *   q     [T, H, D], token stride q_stride (elements), head stride D   out [T, H, D], contiguous
+ *   k, v  [num_blocks, BS, KVH, D], contiguous         block_tables [S, *], row stride table_stride
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define L 16             /* vector lanes: keys scored together */
+#define ROWS 64          /* query rows (queries x heads of a group) per work item, at most */
+#define MAX_D 256
+
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+
+static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < L; i++) m = x[i] > m ? x[i] : m; return m; }
+static inline float hsum(vf x) {                  /* a shuffle tree: four adds, not fifteen */
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+/* exp for the softmax, lane-parallel: exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2)/2,
+ * exp(r) by a degree-6 polynomial (relative error about 2e-7, below the float32 rounding of the
+ * sums it feeds). Lanes below -87 (masked keys, or far below the running max) give exactly 0. */
+static inline vf sel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+static inline vf vexp(vf x) {
+    const vi dead = x < -87.0f;
+    x = sel(x < -87.0f, splat(-87.0f), x);
+    x = sel(x > 88.0f, splat(88.0f), x);
+    const vf t = x * 1.44269504088896341f;
+    const vi ni = __builtin_convertvector(sel(t >= 0.0f, t + 0.5f, t - 0.5f), vi);   /* round half away */
+    const vf n = __builtin_convertvector(ni, vf);
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;       /* ln 2 in two parts */
+    vf p = splat(1.3981999507e-3f);
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return sel(dead, splat(0.0f), p * (vf)((ni + 127) << 23));
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    int64_t q_stride;
+    int H, KVH, BS;
+    float scale;
+} Args;
+
+/* Queries [first_q, first_q + num_q) of one sequence (the first at position q_pos0), all G heads of
+ * KV head kvh. DIM is a compile-time constant in the specialised copies (0: the generic one), so
+ * the value accumulators of a row block stay in registers. */
+#define DEFINE_TILE(NAME, DIM)                                                                        \
+static void NAME(const Args *a, int D_, const int32_t *table, int first_q, int num_q, int q_pos0,     \
+                 int kvh, float *scratch) {                                                           \
+    const int D = DIM ? DIM : D_;                                                                     \
+    const int G = a->H / a->KVH, R = num_q * G, BS = a->BS;                                           \
+    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
+    float *qs = scratch, *acc = qs + ROWS * MAX_D, *kt = acc + ROWS * MAX_D;                          \
+    float m[ROWS], l[ROWS], s[ROWS * L];                                                              \
+    for (int i = 0; i < num_q; i++)                                                                   \
+        for (int g = 0; g < G; g++) {                                                                 \
+            const float *src = a->q + (int64_t)(first_q + i) * a->q_stride + (int64_t)(kvh * G + g) * D; \
+            for (int d = 0; d < D; d++) qs[(i * G + g) * D + d] = src[d] * a->scale;                  \
+        }                                                                                             \
+    for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }                                    \
+    memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
+    const int last_pos = q_pos0 + num_q - 1;                                                          \
+    for (int key0 = 0; key0 <= last_pos; ) {                                                          \
+        const int b = key0 / BS, off = key0 % BS;                                                     \
+        int nk = BS - off < L ? BS - off : L;                                                         \
+        if (nk > last_pos - key0 + 1) nk = last_pos - key0 + 1;                                       \
+        const float *kb = a->k + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
+        const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
+        if (DIM && R < 8) {                                 /* few rows (decode): dot products */   \
+            enum { V = (DIM ? DIM : L) / L };                                                         \
+            for (int j = 0; j < nk; j++) {                                                            \
+                vf kj[V];                                                                             \
+                for (int c = 0; c < V; c++) kj[c] = load(kb + j * tok + c * L);                       \
+                for (int r = 0; r < R; r++) {                                                         \
+                    vf c0 = load(qs + r * D) * kj[0];                                                 \
+                    for (int c = 1; c < V; c++) c0 += load(qs + r * D + c * L) * kj[c];               \
+                    s[r * L + j] = hsum(c0);                                                          \
+                }                                                                                     \
+            }                                                                                         \
+        } else {                                            /* many rows: K^T, keys as lanes */     \
+            for (int d = 0; d < D; d++) {                                                             \
+                for (int j = 0; j < nk; j++) kt[d * L + j] = kb[j * tok + d];                         \
+                for (int j = nk; j < L; j++) kt[d * L + j] = 0.0f;                                    \
+            }                                                                                         \
+            int r = 0;                                                                                \
+            for (; r + 8 <= R; r += 8) {                    /* 8 rows at a time */                   \
+                vf c[8] = {{0}};                                                                      \
+                for (int d = 0; d < D; d++) {                                                         \
+                    const vf kd = load(kt + d * L);                                                   \
+                    for (int i = 0; i < 8; i++) c[i] += qs[(r + i) * D + d] * kd;                     \
+                }                                                                                     \
+                for (int i = 0; i < 8; i++) store(s + (r + i) * L, c[i]);                             \
+            }                                                                                         \
+            for (; r < R; r++) {                                                                      \
+                vf c = {0};                                                                           \
+                for (int d = 0; d < D; d++) c += qs[r * D + d] * load(kt + d * L);                    \
+                store(s + r * L, c);                                                                  \
+            }                                                                                         \
+        }                                                                                             \
+        const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                       \
+        for (int r = 0; r < R; r++) {                       /* causal mask, online softmax */        \
+            const int valid = q_pos0 + r / G - key0 + 1;                                              \
+            vf x = load(s + r * L);                                                                   \
+            x = sel(lane < (valid < nk ? valid : nk), x, splat(-INFINITY));                           \
+            const float mx = hmax(x) > m[r] ? hmax(x) : m[r];                                         \
+            if (mx == -INFINITY) { store(s + r * L, splat(0.0f)); continue; }                        \
+            const vf p = vexp(x - mx);                                                                \
+            const float alpha = m[r] == -INFINITY ? 0.0f : vexp(splat(m[r] - mx))[0];                 \
+            l[r] = l[r] * alpha + hsum(p);                                                            \
+            m[r] = mx;                                                                                \
+            store(s + r * L, p);                                                                      \
+            for (int d = 0; d < D; d++) acc[r * D + d] *= alpha;                                      \
+        }                                                                                             \
+        if (DIM) {                                          /* acc += p V, 128 floats at a time */   \
+            enum { V = (DIM ? DIM : L) / L, RB = V >= 8 ? 1 : 8 / V };                                \
+            int r = 0;                                                                                \
+            for (; r + RB <= R; r += RB) {                                                            \
+                vf o[RB][V];                                                                          \
+                for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) o[i][c] = load(acc + (r + i) * D + c * L); \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    const float *vj = vb + j * tok;                                                   \
+                    vf vv[V];                                                                         \
+                    for (int c = 0; c < V; c++) vv[c] = load(vj + c * L);                             \
+                    for (int i = 0; i < RB; i++) {                                                    \
+                        const float p = s[(r + i) * L + j];                                           \
+                        for (int c = 0; c < V; c++) o[i][c] += p * vv[c];                             \
+                    }                                                                                 \
+                }                                                                                     \
+                for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) store(acc + (r + i) * D + c * L, o[i][c]); \
+            }                                                                                         \
+            for (; r < R; r++)                                                                        \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    const float p = s[r * L + j], *vj = vb + j * tok;                                 \
+                    for (int c = 0; c < V; c++) store(acc + r * D + c * L, load(acc + r * D + c * L) + p * load(vj + c * L)); \
+                }                                                                                     \
+        } else {                                                                                      \
+            for (int r = 0; r < R; r++)                                                               \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    const float p = s[r * L + j], *vj = vb + j * tok;                                 \
+                    for (int d = 0; d < D; d++) acc[r * D + d] += p * vj[d];                          \
+                }                                                                                     \
+        }                                                                                             \
+        key0 += nk;                                                                                   \
+    }                                                                                                 \
+    for (int i = 0; i < num_q; i++)                                                                   \
+        for (int g = 0; g < G; g++) {                                                                 \
+            const int r = i * G + g;                                                                  \
+            const float inv = 1.0f / l[r];                                                            \
+            float *dst = a->out + ((int64_t)(first_q + i) * a->H + kvh * G + g) * D;                  \
+            for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;                                \
+        }                                                                                             \
+}
+
+DEFINE_TILE(tile_d32, 32)
+DEFINE_TILE(tile_d64, 64)
+DEFINE_TILE(tile_d128, 128)
+DEFINE_TILE(tile_any, 0)
+
+/* Returns 0; -1 when the shapes are beyond this kernel (H not a multiple of KVH, more than ROWS
+ * heads per KV head, D above MAX_D); -2 when scratch memory cannot be had. */
+int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
+                              const int32_t *block_tables, int table_stride, const int32_t *q_start,
+                              const int32_t *ctx_len, int num_seqs, int H, int KVH, int D, int BS, float scale) {
+    if (KVH <= 0 || H % KVH || H / KVH > ROWS || D <= 0 || D > MAX_D || BS <= 0) return -1;
+    const Args a = {q, k, v, out, q_stride, H, KVH, BS, scale};
+    const int G = H / KVH, tile_q = ROWS / G;
+    const size_t cap = (size_t)q_start[num_seqs] / tile_q + num_seqs + 1;
+    int *item_seq = malloc(sizeof(int) * 2 * cap);
+    if (!item_seq) return -2;
+    int *item_first = item_seq + cap, num_items = 0;
+    for (int s = 0; s < num_seqs; s++)
+        for (int first = 0; first < q_start[s + 1] - q_start[s]; first += tile_q) {
+            item_seq[num_items] = s;
+            item_first[num_items++] = first;
+        }
+    const int64_t total = (int64_t)num_items * KVH;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * (2 * ROWS * MAX_D + MAX_D * L));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < total; w++) {
+            if (!scratch) continue;
+            const int item = (int)(w / KVH), kvh = (int)(w % KVH), s = item_seq[item];
+            const int num_q_seq = q_start[s + 1] - q_start[s], first = item_first[item];
+            const int n = num_q_seq - first < tile_q ? num_q_seq - first : tile_q;
+            const int32_t *table = block_tables + (int64_t)s * table_stride;
+            const int qi = q_start[s] + first, q_pos0 = ctx_len[s] - num_q_seq + first;
+            switch (D) {
+                case 32: tile_d32(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
+                case 64: tile_d64(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
+                case 128: tile_d128(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
+                default: tile_any(&a, D, table, qi, n, q_pos0, kvh, scratch);
+            }
+        }
+        free(scratch);
+    }
+    free(item_seq);
+    return failed ? -2 : 0;
+}
