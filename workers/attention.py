@@ -44,21 +44,28 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
-def _store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+def layer_kv(pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V pools [NB, BS, KVH, D] out of the whole pool [L, 2, NB, BS, KVH, D]."""
+    return pool[layer, 0], pool[layer, 1]
+
+
+def _store_kv(pool: torch.Tensor, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_cache, v_cache = layer_kv(pool, layer)
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-# An op of its own so that a compiled model updates the pool in place instead of copying it.
-_store_kv_op = torch.library.custom_op("pdlab::store_kv", _store_kv, mutates_args=("k_cache", "v_cache"))
-_store_kv_op.register_fake(lambda k_cache, v_cache, slot_mapping, k, v: None)
+# An op of its own so that a compiled model updates the pool in place instead of copying it. It
+# takes the whole pool and a layer index: a compiled op that mutates a *view* of a graph input
+# under dynamic shapes lost its writes (torch 2.13), mutating the input itself does not.
+_store_kv_op = torch.library.custom_op("pdlab::store_kv", _store_kv, mutates_args=("pool",))
+_store_kv_op.register_fake(lambda pool, layer, slot_mapping, k, v: None)
 
 
-def store_kv(k_cache, v_cache, slot_mapping, k, v) -> None:
-    """Write the step's new keys and values (k, v [T, KVH, D]) at their slots of the pools
-    ([NB, BS, KVH, D]): through the custom op when compiling, directly (no dispatch cost) when eager."""
-    (_store_kv_op if torch.compiler.is_compiling() else _store_kv)(k_cache, v_cache, slot_mapping, k, v)
+def store_kv(pool, layer, slot_mapping, k, v) -> None:
+    """Write the step's new keys and values (k, v [T, KVH, D]) at their slots of layer `layer`'s pools:
+    through the custom op when compiling, directly (no dispatch cost) when eager."""
+    (_store_kv_op if torch.compiler.is_compiling() else _store_kv)(pool, layer, slot_mapping, k, v)
 
 
 class ReferenceAttention:
@@ -67,7 +74,8 @@ class ReferenceAttention:
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, pool, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = layer_kv(pool, layer)
         out = torch.empty_like(q)                                         # [T, H, D]
         tables = meta.block_tables.long()
         row = 0
@@ -93,9 +101,9 @@ class CpuPagedAttention:
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, pool, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         fn = self._kernel.paged_attention if torch.compiler.is_compiling() else self._kernel.paged_attention_eager
-        return fn(q, k_cache, v_cache, meta.block_tables, meta.q_start, meta.ctx_len, scale)
+        return fn(q, pool, layer, meta.block_tables, meta.q_start, meta.ctx_len, scale)
 
 
 class FlexPagedAttention:
@@ -113,41 +121,48 @@ class FlexPagedAttention:
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         from torch.nn.attention.flex_attention import BlockMask
-        dev, tile = meta.positions.device, self.Q_TILE
-        tiles = [-(-n // tile) for n in meta.q_lens]
-        num_tiles = sum(tiles)
-        seq_of_tile = torch.repeat_interleave(torch.arange(len(tiles), device=dev),
-                                              torch.tensor(tiles, device=dev))           # [num_tiles]
-        padded_start = torch.tensor([0] + tiles[:-1], device=dev).cumsum(0) * tile       # [S]
+        dev, tile, S = meta.positions.device, self.Q_TILE, meta.ctx_len.shape[0]
+        ctx = meta.ctx_len.long()
+        if meta.num_decodes == S:
+            # decode-only: one tile per sequence, derived from S alone, so no host data is read and
+            # the whole preparation can be captured in a CUDA graph (workers/cuda_graphs.py)
+            tiles = torch.ones(S, dtype=torch.long, device=dev)
+            q_lens = tiles
+        else:
+            q_lens = torch.tensor(meta.q_lens, device=dev)
+            tiles = (q_lens + tile - 1) // tile
+        num_tiles = S if meta.num_decodes == S else sum(-(-n // tile) for n in meta.q_lens)
+        seq_of_tile = torch.repeat_interleave(torch.arange(S, device=dev), tiles, output_size=num_tiles)
+        padded_start = (torch.cumsum(tiles, 0) - tiles) * tile                            # [S]
         seq_of_row = torch.repeat_interleave(seq_of_tile, tile)                           # [num_tiles * tile]
         offset = torch.arange(num_tiles * tile, device=dev) - padded_start[seq_of_row]
-        q_lens = torch.tensor(meta.q_lens, device=dev)
-        ctx = meta.ctx_len.to(dev).long()
-        q_pos = ctx[seq_of_row] - q_lens[seq_of_row] + offset           # padded rows: beyond the context
+        q_pos = ctx[seq_of_row] - q_lens[seq_of_row] + offset            # padded rows: beyond the context
         real = offset < q_lens[seq_of_row]
-        q_start = meta.q_start.to(dev).long()
-        rows = (padded_start.repeat_interleave(q_lens)        # where each real token sits, padded
-                + torch.arange(meta.num_tokens, device=dev) - q_start[:-1].repeat_interleave(q_lens))
-        tables = meta.block_tables.to(dev)
-        kv_blocks = (ctx + block_size - 1) // block_size                   # [S]
+        q_start = meta.q_start.long()
+        rows = (torch.repeat_interleave(padded_start - q_start[:-1], q_lens, output_size=meta.num_tokens)
+                + torch.arange(meta.num_tokens, device=dev))                  # each real token's padded row
+        tables = meta.block_tables.long()
+        kv_blocks = (ctx + block_size - 1) // block_size                      # [S]
         index = torch.arange(tables.shape[1], device=dev).expand_as(tables)
-        used = index < kv_blocks[:, None]
-        logical = torch.zeros(num_blocks, dtype=torch.long, device=dev)    # physical block -> its index
-        logical[tables[used].long()] = index[used]                          # in its sequence's table,
-        owner = torch.full((num_blocks,), -1, dtype=torch.long, device=dev)  # and that sequence
-        owner[tables[used].long()] = torch.arange(len(meta.q_lens), device=dev)[:, None].expand_as(tables)[used]
+        # physical block -> its index in its sequence's table, and that sequence; unused table entries
+        # go to a spare slot past the pool, so every shape here is static
+        target = torch.where(index < kv_blocks[:, None], tables, num_blocks).flatten()
+        logical = torch.zeros(num_blocks + 1, dtype=torch.long, device=dev).scatter_(0, target, index.flatten())
+        owner = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=dev).scatter_(
+            0, target, torch.arange(S, device=dev).repeat_interleave(tables.shape[1]))
 
         def causal(b, h, q_idx, kv_idx):     # complete on its own: eager flex applies it to every pair
             blk = kv_idx // block_size
             key_pos = logical[blk] * block_size + kv_idx % block_size
             return real[q_idx] & (owner[blk] == seq_of_row[q_idx]) & (key_pos <= q_pos[q_idx])
 
-        mask = BlockMask.from_kv_blocks(kv_blocks[seq_of_tile].int()[None, None], tables[seq_of_tile][None, None],
+        mask = BlockMask.from_kv_blocks(kv_blocks[seq_of_tile].int()[None, None], meta.block_tables[seq_of_tile][None, None],
                                         BLOCK_SIZE=(tile, block_size), mask_mod=causal,
                                         seq_lengths=(num_tiles * tile, num_blocks * block_size), compute_q_blocks=False)
         meta.state["flex"] = (mask, rows, num_tiles * tile)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, pool, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = layer_kv(pool, layer)
         mask, rows, padded = meta.state["flex"]
         T, H, D = q.shape
         qp = q.new_zeros(padded, H, D)

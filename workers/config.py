@@ -175,7 +175,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # GPU pool: this share of memory, less weights and activations
     role: str = "colocated"
     attention: str = "auto"          # auto | cpu | flex | reference (workers/attention.py)
-    compile: bool = False            # torch.compile the model (inductor; CUDA graphs are separate)
+    compile: bool = False            # torch.compile the model (inductor)
+    cuda_graphs: bool = True         # on a GPU, replay decode-only steps from CUDA graphs (workers/cuda_graphs.py)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

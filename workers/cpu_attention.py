@@ -83,12 +83,13 @@ def available() -> bool:
         return False
 
 
-def paged_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention_eager(q: torch.Tensor, pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
                           q_start: torch.Tensor, ctx_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D] float32 (rows contiguous); k_cache, v_cache [NB, BS, KVH, D]; block_tables [S, MB]
-    (rows may be strided), q_start [S + 1], ctx_len [S] int32. Sequence s's queries are rows q_start[s]..q_start[s+1] and
-    its last query is at position ctx_len[s] - 1. -> [T, H, D]."""
+    """q [T, H, D] float32 (rows contiguous); pool [L, 2, NB, BS, KVH, D], of which layer `layer` is read;
+    block_tables [S, MB] (rows may be strided), q_start [S + 1], ctx_len [S] int32. Sequence s's queries
+    are rows q_start[s]..q_start[s+1] and its last query is at position ctx_len[s] - 1. -> [T, H, D]."""
     T, H, D = q.shape
+    k_cache, v_cache = pool[layer, 0], pool[layer, 1]
     _, BS, KVH, _ = k_cache.shape
     out = torch.empty((T, H, D), dtype=q.dtype)
     if T == 0:
@@ -109,4 +110,4 @@ def paged_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # The same function as a custom op, for torch.compile (eager calls skip the op's dispatch cost).
 paged_attention = torch.library.custom_op("pdlab::paged_attention", paged_attention_eager, mutates_args=())
 paged_attention.register_fake(
-    lambda q, k_cache, v_cache, block_tables, q_start, ctx_len, scale: q.new_empty(q.shape))
+    lambda q, pool, layer, block_tables, q_start, ctx_len, scale: q.new_empty(q.shape))

@@ -75,7 +75,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, max_tokens=cfg.token_budget,
-                                  max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile)
+                                  max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
+                                  cuda_graphs=cfg.cuda_graphs)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []
 

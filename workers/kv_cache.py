@@ -1,6 +1,6 @@
 """The paged KV pool: one preallocated tensor per engine, and per-request export/import.
 
-Layout [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: each layer's K and V are
+Layout [layers, 2 (K, V), num_blocks + 1 (a scratch block), block_size, kv_heads, head_dim]: each layer's K and V are
 contiguous views the attention kernel indexes by block table. An export gathers one request's
 tokens into a single contiguous [layers, 2, tokens, kv_heads, head_dim] tensor, which a transport
 sends as is; an import scatters such a tensor into freshly allocated blocks.
@@ -40,7 +40,7 @@ def num_blocks_for(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, dev
     else:
         budget = ecfg.kv_cache_bytes
         where = f"kv_cache_bytes={ecfg.kv_cache_bytes}"
-    num = budget // block_bytes
+    num = budget // block_bytes - 1          # one block of the budget is the scratch block
     if num < 1:
         raise ValueError(f"no room for a KV cache: {where} leaves {budget} bytes, one block needs {block_bytes}")
     return int(num)
@@ -54,8 +54,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        # [L, 2, NB, BS, KVH, D]
-        self.pool = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        # One block past the managed ones takes the writes of padding rows (a CUDA graph's batch is
+        # padded to its bucket): no request ever owns it. [L, 2, NB + 1, BS, KVH, D]
+        self.scratch_block = num_blocks
+        self.pool = torch.zeros(cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
 
     @property
@@ -63,8 +65,8 @@ class KVCache:
         return self.pool.numel() * self.pool.element_size()
 
     def _flat(self) -> torch.Tensor:
-        cfg = self.cfg                                           # [L, 2, NB * BS, KVH, D]
-        return self.pool.view(cfg.num_layers, 2, self.num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        cfg = self.cfg                                           # [L, 2, (NB + 1) * BS, KVH, D]
+        return self.pool.view(cfg.num_layers, 2, -1, cfg.num_kv_heads, cfg.head_dim)
 
     def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """[L, 2, num_tokens, KVH, D], contiguous: exactly the request's tokens, one copy."""

@@ -80,14 +80,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, q_size, dtype=dtype))
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata, backend):
-        # x [T, hidden]; k_cache, v_cache [num_blocks, block_size, KVH, D]
+    def forward(self, x, pool, layer: int, meta: AttentionMetadata, backend):
+        # x [T, hidden]; pool [L, 2, num_blocks, block_size, KVH, D], of which this is layer `layer`
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         qkv = F.linear(x, self.qkv_proj).view(T, H + 2 * self.num_kv_heads, D)
         qk = apply_rotary(qkv[:, :H + self.num_kv_heads], meta.cos, meta.sin)   # q and k rotated together
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + self.num_kv_heads:]
-        store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale)       # [T, H, D]
+        store_kv(pool, layer, meta.slot_mapping, k, v)
+        out = backend.forward(q, pool, layer, meta, self.scale)            # [T, H, D]
         return F.linear(out.reshape(T, -1), self.o_proj)
 
 
@@ -110,8 +110,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, meta, backend)
+    def forward(self, x, pool, layer, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), pool, layer, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -136,7 +136,7 @@ class Llama(nn.Module):
         and `meta.sin` hold the rotary tables at the step's positions (`Rotary.tables`)."""
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_cache[i, 0], kv_cache[i, 1], meta, backend)
+            x = layer(x, kv_cache, i, meta, backend)
         return self.norm(x)
 
     @torch.inference_mode()

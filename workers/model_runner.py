@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from workers.attention import AttentionMetadata, make_backend
+from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache
 from workers.model import Llama
 from workers.sampler import sample
@@ -57,7 +58,7 @@ class StepBuffers:
 
 class ModelRunner:
     def __init__(self, model: Llama, cache: KVCache, max_model_len: int, max_tokens: int, max_seqs: int,
-                 attention: str = "auto", compile: bool = False):
+                 attention: str = "auto", compile: bool = False, cuda_graphs: bool = True):
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -67,12 +68,19 @@ class ModelRunner:
         self.buffers = StepBuffers(max_tokens, max_seqs, -(-max_model_len // self.block_size), self.device)
         self.times = StepTimes()
         self._model = torch.compile(model, dynamic=True) if compile else model
+        self.graphs = DecodeGraphs(self, max_seqs) if cuda_graphs and self.device.type == "cuda" else None
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's input ids [T] and attention metadata, on the device. `pad_to` (a decode-only step
+        of at most that many sequences) adds padding sequences up to it and uses the block tables'
+        full width, so every tensor has the shape, and address, a CUDA graph of that size captured:
+        a padding row is token 0 at position 0, writing and reading the pool's scratch block."""
         chunks, bs, buf = sched.chunks, self.block_size, self.buffers.np
-        S = len(chunks)
-        starts = np.fromiter((c.request.num_computed_tokens for c in chunks), np.int64, S)
-        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, S)
+        S = len(chunks) if pad_to is None else pad_to
+        starts = np.zeros(S, np.int64)
+        lens = np.ones(S, np.int64)
+        starts[:len(chunks)] = [c.request.num_computed_tokens for c in chunks]
+        lens[:len(chunks)] = [c.num_tokens for c in chunks]
         T = int(lens.sum())
         ctx = starts + lens
         num_blocks = (ctx + bs - 1) // bs
@@ -82,6 +90,8 @@ class ModelRunner:
             ids[row:row + n] = req.token_ids[start:start + n]
             tables[i, :num_blocks[i]] = req.block_ids[:num_blocks[i]]
             row += n
+        ids[row:T] = 0
+        tables[len(chunks):S, 0] = self.cache.scratch_block
         q_start = buf["q_start"][:S + 1]
         q_start[0] = 0
         np.cumsum(lens, out=q_start[1:])
@@ -92,17 +102,17 @@ class ModelRunner:
         np.add(tables[seq, positions // bs] * bs, positions % bs, out=buf["slots"][:T])
 
         b = self.buffers
-        max_blocks = int(num_blocks.max())
+        width = tables.shape[1] if pad_to is not None else int(num_blocks.max())
         meta = AttentionMetadata(
             positions=b.device_view("positions", T), slot_mapping=b.device_view("slots", T),
-            block_tables=b.device_view("block_tables", S, max_blocks), q_start=b.device_view("q_start", S + 1),
-            ctx_len=b.device_view("ctx_len", S), num_decodes=len(sched.decodes),
+            block_tables=b.device_view("block_tables", S, width), q_start=b.device_view("q_start", S + 1),
+            ctx_len=b.device_view("ctx_len", S), num_decodes=len(sched.decodes) + S - len(chunks),
             q_lens=lens.tolist(), ctx_lens=ctx.tolist())
         return b.device_view("ids", T), meta
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         meta.cos, meta.sin = self.model.rotary.tables(meta.positions, self.cache.dtype)
-        self.backend.prepare(meta, self.block_size, self.cache.num_blocks)
+        self.backend.prepare(meta, self.block_size, self.cache.pool.shape[2])
         with torch.no_grad():       # not inference_mode: compiled graphs mutate the pool in place
             return self._model(input_ids, self.cache.pool, meta, self.backend)
 
@@ -110,9 +120,10 @@ class ModelRunner:
         """Run the step; one entry per chunk (decodes, then prefills): its new token, or None
         for a prompt chunk that leaves the request short of its next token."""
         t0 = time.perf_counter()
-        input_ids, meta = self.prepare(sched)
+        graphed = self.graphs is not None and self.graphs.eligible(sched)
+        input_ids, meta = self.graphs.prepare(sched) if graphed else self.prepare(sched)
         t1 = time.perf_counter()
-        hidden = self.forward(input_ids, meta)
+        hidden = self.graphs.run(input_ids, meta) if graphed else self.forward(input_ids, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
