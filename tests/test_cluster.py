@@ -122,7 +122,7 @@ def test_bad_requests_rejected_at_router_alone(colocated, reference):
     bad = {"empty": [], "vocab": [1, 2, 4096], "long": [1] * 5000}
     good = [router.submit(f"g{i}", p, greedy()) for i, p in enumerate(PROMPTS[:3])]
     failed = {name: router.submit(name, p, greedy()) for name, p in bad.items()}
-    failed["zero"] = router.submit("zero", [1, 2], SamplingParams(max_tokens=0))
+    failed["zero"] = router.submit("zero", [1, 2], {"max_tokens": 0})
     assert router.wait(60)
     router.close()
     assert [g.output_ids for g in good] == reference[:3]
@@ -154,20 +154,22 @@ def test_killed_decode_worker_loses_no_request():
     assert all(r.decode_worker == "decode:1" for r in records if r.attempts > 1)
 
 
-def test_killed_only_decode_worker_ends_every_request_with_a_reason():
+def test_losing_every_decode_worker_falls_back_to_whole_requests_on_prefill():
+    """A node loss that takes the whole decode pool leaves no role empty: the surviving prefill worker
+    serves requests whole, the records say so, and no token differs."""
     pool = start_pool(prefill=1, decode=1)
     try:
-        start = time.monotonic()
         records = serve(pool, prompts=PROMPTS * 2, faults=FaultConfig(kill_worker="decode:0", kill_after_s=0.8),
                         max_tokens=40, spacing_s=0.1)
-        elapsed = time.monotonic() - start
     finally:
         pool.shutdown()
-    ok = [r for r in records if r.status == "ok"]
-    failed = [r for r in records if r.status == "failed"]
-    assert len(ok) + len(failed) == len(records) and failed
-    assert all("no live decode worker left" in r.reason for r in failed)
-    assert elapsed < 60
+    assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
+    assert [r.output_ids for r in records] == greedy_tokens(40) * 2
+    degraded = [r for r in records if r.note]
+    assert degraded, "the kill was meant to leave requests with no decode worker"
+    assert all(r.note == "served whole on prefill:0: no live decode worker" and r.decode_worker == "prefill:0"
+               for r in degraded)
+    assert all(r.crashes == 0 for r in records), "an injected kill is not counted against the requests"
 
 
 def test_too_few_gpus_fails_fast():
