@@ -1,15 +1,18 @@
 """Ray bring-up: an embedded local instance by default, an existing cluster by address.
 
 Every check that can fail is made before any worker starts, and names what is needed and
-what the cluster has; nothing waits for resources that will not come.
+what the cluster has; nothing waits for resources that will not come. An embedded Ray dies with its
+driver, however the driver dies (cluster/ray_watchdog.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import ray
 
+from cluster import ray_watchdog
 from cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -33,11 +36,18 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
                 gpus = torch.cuda.device_count() or cfg.num_workers
                 if not torch.cuda.device_count():
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
-            ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
-                     _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
+            mark = f"{os.getpid()}-{_BOOT}"
+            ray_watchdog.watch(mark)
+            os.environ[ray_watchdog.OWNER_ENV] = mark   # inherited by every process ray.init spawns
+            try:
+                ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
+                         _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
+            finally:
+                del os.environ[ray_watchdog.OWNER_ENV]     # but by nothing the driver starts later
     return ray.cluster_resources()
 
 
+_BOOT = uuid.uuid4().hex[:8]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
