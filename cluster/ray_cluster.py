@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 
 import ray
 
@@ -36,18 +35,12 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
                 gpus = torch.cuda.device_count() or cfg.num_workers
                 if not torch.cuda.device_count():
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
-            mark = f"{os.getpid()}-{_BOOT}"
-            ray_watchdog.watch(mark)
-            os.environ[ray_watchdog.OWNER_ENV] = mark   # inherited by every process ray.init spawns
-            try:
-                ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
-                         _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
-            finally:
-                del os.environ[ray_watchdog.OWNER_ENV]     # but by nothing the driver starts later
+            ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
+                     _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
+            ray_watchdog.watch(ray._private.worker._global_node.get_session_dir_path())
     return ray.cluster_resources()
 
 
-_BOOT = uuid.uuid4().hex[:8]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

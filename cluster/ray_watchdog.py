@@ -3,12 +3,14 @@ cluster survives it.
 
 Ray ties its GCS and raylet to the driver (PR_SET_PDEATHSIG), but not what the raylet starts: after a
 `kill -9` of the driver its dashboard and runtime-env agents were seen alive minutes later, and
-workers take seconds to notice. So the driver marks every process of its embedded cluster with an
-environment variable (set only while `ray.init` spawns them; children inherit it), and starts this
-small process holding the read end of a pipe whose write end only the driver holds. When the pipe
-reads EOF (the driver is gone), it SIGKILLs every process that carries the mark, and exits.
+workers take seconds to notice. So the driver starts this small process once, holding the read end
+of a pipe whose write end only the driver holds, and writes to it the session directory of each
+embedded Ray it starts. Every Ray process keeps files open in its session directory (logs, sockets):
+when the pipe reads EOF (the driver is gone), the watchdog SIGKILLs every process with a file open
+under one of those directories, and exits. (An environment mark does not do: Ray's agents rewrite
+their process titles over their environment.)
 
-    python cluster/ray_watchdog.py MARK        (stdin: the pipe)
+    python cluster/ray_watchdog.py        (stdin: the pipe, one session directory a line)
 
 Only the standard library: it must start fast and outlive everything it watches.
 """
@@ -20,45 +22,52 @@ import subprocess
 import sys
 import time
 
-OWNER_ENV = "PDLAB_RAY_OWNER"
-_watching: dict[str, object] = {}        # mark -> the pipe's write end, held for the driver's lifetime
+_pipe = None        # the write end, held for the driver's lifetime
 
 
-def marked(mark: str) -> list[int]:
-    """Pids of the processes whose environment carries OWNER_ENV=mark (other users' are unreadable)."""
-    needle = f"{OWNER_ENV}={mark}".encode()
+def holding(directories: list[str]) -> list[int]:
+    """Pids of the processes (readable to us) with a file open under one of `directories`."""
+    prefixes = tuple(os.path.realpath(d) + os.sep for d in directories)
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(name))
+            fds = os.listdir(f"/proc/{name}/fd")
         except OSError:
             continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}").startswith(prefixes):
+                    found.append(int(name))
+                    break
+            except OSError:
+                continue
     return found
 
 
-def watch(mark: str) -> None:
-    """Start the watchdog for `mark` (once per driver process)."""
-    if mark in _watching or not sys.platform.startswith("linux"):
+def watch(session_dir: str) -> None:
+    """Have the watchdog (started on first use) kill this session's processes once the driver dies."""
+    global _pipe
+    if not sys.platform.startswith("linux"):
         return
-    read_end, write_end = os.pipe()
-    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
-    subprocess.Popen([sys.executable, os.path.abspath(__file__), mark], stdin=read_end, env=env,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-    os.close(read_end)
-    _watching[mark] = os.fdopen(write_end, "wb")   # never written; closed only when the driver exits
+    if _pipe is None:
+        read_end, write_end = os.pipe()
+        subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=read_end, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        os.close(read_end)
+        _pipe = os.fdopen(write_end, "w")
+    _pipe.write(session_dir + "\n")
+    _pipe.flush()
 
 
-def main(mark: str) -> None:
-    while sys.stdin.buffer.read(1 << 16):        # returns b"" once every write end is closed
-        pass
-    # Sweep until nothing carries the mark (a dying raylet may still be starting a worker).
+def main() -> None:
+    directories = [line.strip() for line in sys.stdin if line.strip()]   # ends at EOF: the driver is gone
+    if not directories:
+        return
     quiet = 0
-    while quiet < 3:
-        pids = marked(mark)
+    while quiet < 3:             # until nothing holds them (a dying raylet may still be starting a worker)
+        pids = holding(directories)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -69,4 +78,4 @@ def main(mark: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
