@@ -242,3 +242,46 @@ def test_zmq_receiver_that_cannot_continue_says_so(receiver):
 def test_bind_all_interfaces_refused():
     with pytest.raises(ValueError, match="all interfaces"):
         TransferConfig(bind_host="0.0.0.0")
+
+
+def test_torch_distributed_wire_refuses_bad_frames_and_keeps_serving():
+    """Two real processes over gloo: a peer breaking the rules is refused message by message (each
+    refusal reaching the sender, the stream kept in step), a KV larger than a frame arrives in frames,
+    and only a broken protocol stops the receiver, as a fatal problem."""
+    import json
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from cluster.transfer.nccl_transport import bound_listener
+    from tests.conftest import ROOT
+
+    listener = bound_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    peers = [subprocess.Popen([sys.executable, "-m", "tests.gloo_peer", str(rank), str(port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in peers]
+    finally:
+        for p in peers:
+            p.kill()
+        del store
+    for p, (out, err) in zip(peers, outs):
+        assert p.returncode == 0, err[-2000:]
+    sender, recv = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert "header is not valid msgpack" in sender["garbage"]
+    assert "temperature=1e-40" in sender["poison"]
+    assert "frames of 40960 bytes exceed the frame limit 20480" in sender["frame"]
+    sent = sender["sent"]
+    assert sent["multi#1"] == "sent" and sent["after#1"] == "sent"
+    assert sent["huge#1"].startswith("refused: one layer of this KV is 30720 bytes")
+    assert "refused by the receiver" in sent["over#1"] and "transfer.max_pending_bytes=61440" in sent["over#1"]
+    assert recv["got"] == [{"rid": "multi#1", "intact": True, "nbytes": 40960},
+                           {"rid": "after#1", "intact": True, "nbytes": 12288}]
+    fatal = [p for p in recv["problems"] if p["fatal"]]
+    assert len(fatal) == 1 and "stream untrusted, receiver stopped" in fatal[0]["reason"]
+    assert len(recv["problems"]) == 5, recv["problems"]      # four refusals, one fatal
+    assert recv["pending_bytes"] == 0 and not recv["threads_alive"]
