@@ -170,6 +170,7 @@ class Router:
         chosen = plan(self.mode, self.pool.workers, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
                       self.cfg.conditional_threshold, self.pool.cfg.placement in ("pack", "strict_pack"))
         if isinstance(chosen, str):
+            rec.injected_fault = rec.injected_fault or bool(self._killed)   # no worker left: the kills did it
             return self._fail(rec, chosen)
         kind, prefill, decode = chosen.kind, chosen.prefill, chosen.decode
         if chosen.note:

@@ -140,15 +140,21 @@ def test_generate_cli_rejects_bad_lines_and_completes_the_rest(tmp_path):
         {"id": "vocab", "prompt_ids": [1, 99999], "max_tokens": 5},
         {"id": "zero", "prompt_ids": [1], "max_tokens": 0},
         {"id": "typo", "prompt_ids": [1], "max_token": 3},
+        {"id": "cold", "prompt_ids": [1], "temperature": 1e-40},
+        {"id": "seed", "prompt_ids": [1], "temperature": 0.5, "seed": 2**70},
+        {"id": "stop", "prompt_ids": [1], "stop_token_ids": [[1]]},
+        {"id": [1, 2], "prompt_ids": [1]},
         {"id": "b", "prompt_ids": list(range(40)), "max_tokens": 7, "temperature": 0.9, "seed": 3},
     ]
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    prompts.write_bytes(("\n".join(json.dumps(x) for x in lines) + "\n{broken\n").encode()
+                        + b'{"id": "\xff\xfe", "prompt_ids": [1]}\n')
     out = tmp_path / "o.jsonl"
     proc = run_generate("--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--policy", "prefill_first")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["a", "empty", "vocab", "zero", "typo", "b", "line 7"]
+    assert [r["id"] for r in rows] == ["a", "empty", "vocab", "zero", "typo", "cold", "seed", "stop", "[1, 2]", "b",
+                                       "line 11", "line 12"]
     by_id = {r["id"]: r for r in rows}
     assert len(by_id["a"]["output_ids"]) == 5 and len(by_id["b"]["output_ids"]) == 7
     assert 0 < by_id["a"]["ttft_s"] <= by_id["a"]["e2e_s"]
@@ -156,9 +162,12 @@ def test_generate_cli_rejects_bad_lines_and_completes_the_rest(tmp_path):
     assert "99999" in by_id["vocab"]["error"]
     assert "max_tokens=0" in by_id["zero"]["error"]
     assert "max_token" in by_id["typo"]["error"]
-    assert "not valid JSON" in by_id["line 7"]["error"]
+    assert "temperature=1e-40" in by_id["cold"]["error"] and "seed=1180591620717411303424" in by_id["seed"]["error"]
+    assert "stop_token_ids[0]=[1]" in by_id["stop"]["error"]
+    assert "id must be a string or an integer, not list" in by_id["[1, 2]"]["error"]
+    assert "not valid JSON" in by_id["line 11"]["error"] and "not valid UTF-8" in by_id["line 12"]["error"]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["num_completed"] == 2 and summary["num_rejected"] == 5
+    assert summary["num_completed"] == 2 and summary["num_rejected"] == 10
 
 
 def test_generate_cli_bad_checkpoint_exits_with_reason(tmp_path):

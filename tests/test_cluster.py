@@ -325,6 +325,7 @@ def test_transfer_timeout_is_recovered(disagg, reference):
     records = serve(disagg, transfer=TransferConfig(timeout_s=1.0), faults=FaultConfig(timeout_transfer_of=3))
     assert [r.output_ids for r in records] == reference
     assert [r.attempts for r in records] == [1, 1, 2, 1, 1, 1, 1, 1]
+    assert [r.injected_fault for r in records] == [False, False, True] + [False] * 5
     assert all(r.status == "ok" for r in records)
 
 
@@ -339,7 +340,7 @@ def test_killed_decode_worker_loses_no_request():
     assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
     assert [r.output_ids for r in records] == greedy_tokens(60) * 4, "retries continue the stream exactly"
     assert any(r.attempts > 1 for r in records), "the kill was meant to hit requests in flight"
-    assert all(r.decode_worker == "decode:1" for r in records if r.attempts > 1)
+    assert all(r.decode_worker == "decode:1" and r.injected_fault and r.crashes == 0 for r in records if r.attempts > 1)
 
 
 def test_losing_every_decode_worker_falls_back_to_whole_requests_on_prefill():

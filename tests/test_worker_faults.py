@@ -13,7 +13,7 @@ from cluster.transfer.base import TransferConfig
 from cluster.worker import Worker
 from tests.conftest import random_prompts
 from workers.config import EngineConfig
-from workers.engine import Engine
+from workers.engine import Engine, RequestFailed
 from workers.request import SamplingParams
 from workers.weights import ModelSpec, build_model
 
@@ -135,3 +135,27 @@ def test_handoff_survives_failed_exports_and_imports(live, monkeypatch):
     for w in (prefill, decode):
         assert w.engine.blocks.num_used == 0 and not w.engine.requests
     assert decode.transport.pending_bytes == 0, "every arrival's receive buffer was given back"
+
+
+def test_non_finite_logits_fail_their_request_alone(monkeypatch):
+    """A numeric blow-up in one request's row (as fp16 overflow would give) fails that request; the
+    rows beside it in the same steps are sampled as usual."""
+    engine = Engine(build_model(model="tiny", seed=0), ENGINE)
+    reqs = [engine.add_request(i, p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+    real, calls = engine.model.logits, []
+
+    def logits(hidden):        # rows follow admission order: all four prompts share every step
+        out = real(hidden).clone()
+        calls.append(len(out))
+        if len(calls) == 3:    # the second decode step
+            assert len(out) == 4
+            out[2] = float("nan")
+        return out
+    monkeypatch.setattr(engine.model, "logits", logits)
+    events = engine.run()
+    failed = [e for e in events if isinstance(e, RequestFailed)]
+    assert [(e.request_id, e.reason) for e in failed] == [(2, "the model produced non-finite logits (NaN or inf) "
+                                                               "for this request")]
+    assert [reqs[i].output_ids for i in (0, 1, 3)] == [reference()[i] for i in (0, 1, 3)]
+    assert reqs[2].output_ids == reference()[2][:2], "its first two tokens were made before the blow-up"
+    assert engine.blocks.num_used == 0 and not engine.requests
