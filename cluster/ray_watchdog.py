@@ -6,8 +6,9 @@ Ray ties its GCS and raylet to the driver (PR_SET_PDEATHSIG), but not what the r
 workers take seconds to notice. So the driver starts this small process once, holding the read end
 of a pipe whose write end only the driver holds, and writes to it the session directory of each
 embedded Ray it starts. Every Ray process keeps files open in its session directory (logs, sockets):
-when the pipe reads EOF (the driver is gone), the watchdog SIGKILLs every process with a file open
-under one of those directories, and exits. (An environment mark does not do: Ray's agents rewrite
+once the pipe reads EOF and the driver has exited (the pipe closes during the driver's interpreter
+shutdown, while Ray's own exit handler may still be stopping its processes), the watchdog SIGKILLs
+every process with a file open under one of those directories, and exits. (An environment mark does not do: Ray's agents rewrite
 their process titles over their environment.)
 
     python cluster/ray_watchdog.py        (stdin: the pipe, one session directory a line)
@@ -30,7 +31,7 @@ def holding(directories: list[str]) -> list[int]:
     prefixes = tuple(os.path.realpath(d) + os.sep for d in directories)
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
+        if not name.isdigit() or int(name) in (os.getpid(), os.getppid()):
             continue
         try:
             fds = os.listdir(f"/proc/{name}/fd")
@@ -62,7 +63,10 @@ def watch(session_dir: str) -> None:
 
 
 def main() -> None:
-    directories = [line.strip() for line in sys.stdin if line.strip()]   # ends at EOF: the driver is gone
+    driver = os.getppid()
+    directories = [line.strip() for line in sys.stdin if line.strip()]   # ends at EOF: the driver is exiting
+    while os.getppid() == driver:     # reparented the moment the driver has exited
+        time.sleep(0.05)
     if not directories:
         return
     quiet = 0
