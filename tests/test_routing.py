@@ -196,3 +196,18 @@ def test_router_rejects_poisoned_params_before_any_worker(params, field):
     rec = router.submit("p", [1, 2, 3], {"max_tokens": 4, **params})
     assert rec.status == "failed" and rec.reason.startswith("rejected: ") and field in rec.reason
     assert not submitted(pool)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3-70b"])
+def test_default_limits_take_full_context_requests_of_the_large_presets(name):
+    """bf16 KV of a full-context prompt: every layer fits the default frame, the whole within a receiver's
+    default memory for KV; only the pools can refuse it."""
+    from workers.config import preset
+
+    cfg, t = preset(name), TransferConfig()
+    n = cfg.max_position_embeddings - 1
+    pool = fake_pool({"prefill:0": "A", "decode:0": "A"}, blocks=100_000)
+    for w in pool.workers:
+        w.info.update(kv_bytes_per_token=cfg.kv_bytes_per_token(2), num_layers=cfg.num_layers)
+    assert never_fits("disaggregated", pool.workers, n, 1, 0, t.max_frame_bytes, t.max_pending_bytes) is None
+    assert cfg.kv_bytes_per_token(2) // cfg.num_layers * n <= t.max_frame_bytes < cfg.kv_bytes_per_token(2) * n

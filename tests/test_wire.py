@@ -165,11 +165,17 @@ def test_zmq_rejects_malformed_messages_and_keeps_serving(receiver):
     assert any("does not follow layer 0" in e for e in r.reasons("skip#1"))
     assert any("are not integers" in e for e in r.reasons("float#1")), "reported against its request"
     assert any("temperature=1e-40" in e for e in r.reasons("cold#1"))
+    assert len(r.reasons("float#1")) == 1
+    # later chunks of a transfer already reported are dropped without a report each
+    n = len(r.problems)
+    r.push.send_multipart([b"C", msgpack.packb(["float#1", 1, 2, 4]), b"\0" * PER_LAYER * 2])
+    r.push.send_multipart([b"C", msgpack.packb(["cold#1", 0, 0, 2]), b"\0" * PER_LAYER * 2])
     assert not any(p.fatal for p in r.problems) and not r.got
     assert r.rx.pending_bytes == 0, "every rejected transfer's buffer was given back"
     # the thread is alive: a well-formed transfer still arrives intact, streamed as two chunks of two layers
     a = r.send_good()
     assert [first for first, _ in a.parts] == [0, 2]
+    assert len(r.problems) == n
 
 
 def test_zmq_limits_are_per_frame_not_per_request(receiver):

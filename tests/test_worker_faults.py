@@ -159,3 +159,19 @@ def test_non_finite_logits_fail_their_request_alone(monkeypatch):
     assert [reqs[i].output_ids for i in (0, 1, 3)] == [reference()[i] for i in (0, 1, 3)]
     assert reqs[2].output_ids == reference()[2][:2], "its first two tokens were made before the blow-up"
     assert engine.blocks.num_used == 0 and not engine.requests
+
+
+def test_a_receiver_that_stops_takes_its_worker_out_of_service(live):
+    decode = live("decode")
+    cfg = TransferConfig()
+    decode.zmq_bind(cfg, "127.0.0.1")
+    decode.start_receiving(cfg.max_frame_bytes)
+    decode.transport._pull.close(linger=0)            # the socket fails under the receive thread
+    events, deadline = [], time.monotonic() + 10
+    while not any(e["kind"] == "out_of_service" for e in events) and time.monotonic() < deadline:
+        events += decode.poll(0.1)["events"]
+    (ev,) = [e for e in events if e["kind"] == "out_of_service"]
+    assert "zmq: receiver stopped" in ev["reason"]
+    decode.submit("local", PROMPTS[0], GREEDY)         # it still serves what needs no KV
+    out = serve([decode], {"local"})
+    assert out["local"]["tokens"] == reference()[0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 
 import msgpack
 import torch
@@ -119,6 +120,8 @@ class ZmqTransport:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._buffers = RecvBuffers(torch.device("cpu"))
+        self._refused: OrderedDict[str, None] = OrderedDict()   # transfers already reported: their late
+                                                                # chunks are dropped without a report each
 
     def bind(self) -> str:
         """Bind the receiving socket to this node's address; returns where senders connect."""
@@ -182,6 +185,8 @@ class ZmqTransport:
                 self._pull.recv(copy=False)
             if rid in pending:
                 self._buffers.give_back(pending.pop(rid).buf)
+            if rid is not None:
+                self._forget(rid)
             what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
             report(TransferProblem(f"zmq: rejected message: {what}", rid))
             return
@@ -229,6 +234,9 @@ class ZmqTransport:
             raise WireError(f"chunk header {str(meta)[:80]} is not [request_id, index, first_layer, end_layer]")
         rid, index, l0, l1 = meta
         asm = pending.get(rid)
+        if asm is None and rid in self._refused:       # its failure was reported once already
+            sock.recv(copy=False)
+            return None
         if asm is None:
             raise WireError(f"chunk for unknown request {rid!r}")     # nothing under way to fail
         if not (_int(index) and _int(l0) and _int(l1)):
@@ -255,8 +263,14 @@ class ZmqTransport:
         now = time.perf_counter()
         for rid in [r for r, a in pending.items() if now - a.started > self.cfg.timeout_s]:
             self._buffers.give_back(pending.pop(rid).buf)
+            self._forget(rid)
             report(TransferProblem(f"zmq: {rid}: incomplete after {self.cfg.timeout_s:g} s (transfer.timeout_s), "
                                    "dropped", rid))
+
+    def _forget(self, rid: str) -> None:
+        self._refused[rid] = None
+        while len(self._refused) > 4096:
+            self._refused.popitem(last=False)
 
     def close(self) -> None:
         self._stop.set()
