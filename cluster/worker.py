@@ -201,10 +201,17 @@ class Worker:
                     a.release()
             self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
         elif isinstance(item, Arrived):
-            if item.arrival.handoff.request_id not in self._aborted:
-                self._arrivals.append(item.arrival)
-            else:
-                item.arrival.release()
+            a, h = item.arrival, item.arrival.handoff
+            if h.request_id in self._aborted:
+                a.release()
+                return
+            try:   # refused at once if it could never be imported here: waiting would block those behind it
+                self.engine.validate(h.request_id, h.prompt_ids, h.params)
+            except Exception as e:
+                a.release()
+                self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
+                return
+            self._arrivals.append(a)
 
     def _import_arrivals(self) -> None:
         keep = []

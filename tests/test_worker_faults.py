@@ -175,3 +175,23 @@ def test_a_receiver_that_stops_takes_its_worker_out_of_service(live):
     decode.submit("local", PROMPTS[0], GREEDY)         # it still serves what needs no KV
     out = serve([decode], {"local"})
     assert out["local"]["tokens"] == reference()[0]
+
+
+def test_an_arrival_that_could_never_be_imported_is_refused_at_once(live):
+    """KV for more tokens than the decode pool holds fails its request when it arrives, instead of
+    waiting for blocks forever in front of the arrivals behind it."""
+    cfg = TransferConfig(timeout_s=5.0)
+    prefill = live("prefill")
+    decode = Worker(1, SPEC, ENGINE.replace(role="decode", num_kv_blocks=4), torch_threads=1)   # 64 tokens
+    try:
+        address = decode.zmq_bind(cfg, "127.0.0.1")
+        prefill.zmq_connect(cfg, {1: address})
+        decode.start_receiving(cfg.max_frame_bytes)
+        for i in (3, 0):                                          # 70 tokens first, then 9
+            prefill.submit(f"g{i}", PROMPTS[i], GREEDY, dst=1)
+        out = serve([prefill, decode], {"g3", "g0"})
+    finally:
+        decode._alive = False
+        decode.transport.close()
+    assert out["g3"]["end"] == "import_failed" and "needs 5 KV blocks but this engine's pool has 4" in out["g3"]["reason"]
+    assert out["g0"]["tokens"] == reference()[0]
