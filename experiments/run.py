@@ -117,9 +117,12 @@ def request_row(rec, t0: float) -> dict:
 
 
 def unexpected_failures(records) -> dict | None:
-    """Requests that failed for a reason other than an injected fault, with their commonest reasons."""
-    bad = [r for r in records if r.status == "failed" and not r.injected_fault]
-    return {"count": len(bad), "reasons": dict(Counter(r.reason for r in bad).most_common(3))} if bad else None
+    """Requests that failed for a reason other than an injected fault: how many, how many distinct
+    reasons, and the three commonest."""
+    bad = Counter(r.reason for r in records if r.status == "failed" and not r.injected_fault)
+    if not bad:
+        return None
+    return {"count": sum(bad.values()), "num_reasons": len(bad), "reasons": dict(bad.most_common(3))}
 
 
 def failure_warning(metrics: dict) -> str | None:
@@ -127,9 +130,10 @@ def failure_warning(metrics: dict) -> str | None:
     u = metrics.get("unexpected_failures")
     if not u:
         return None
-    reasons = "; ".join(f"{n} x {reason}" for reason, n in u["reasons"].items())
+    reason, n = next(iter(u["reasons"].items()))
+    others = f" (+{u['num_reasons'] - 1} other reasons)" if u["num_reasons"] > 1 else ""
     return (f"WARNING: {u['count']} of {metrics['num_submitted']} requests failed for reasons other than "
-            f"injected faults: {reasons}")
+            f"injected faults; commonest ({n}): {reason}{others}. See requests.jsonl.")
 
 
 def write_jsonl(path: Path, rows) -> None:
@@ -201,7 +205,6 @@ def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
         print(format_summary(metrics, title=ident["label"]))
         if warning := failure_warning(metrics):
             print(warning)
-            log.warning("%s: %s", ident["label"], warning)
         results.append(metrics)
     return results
 

@@ -192,8 +192,9 @@ def test_requests_failed_for_their_own_reasons_are_flagged_in_the_summary():
                rec("c", "failed", "rejected: temperature=1e-40 must be 0"), rec("d", "failed", "rejected: temperature=1e-40 must be 0"),
                rec("e", "failed", "failed on colocated:0: sampling failed")]
     u = unexpected_failures(records)
-    assert u == {"count": 3, "reasons": {"rejected: temperature=1e-40 must be 0": 2,
-                                         "failed on colocated:0: sampling failed": 1}}
+    assert u == {"count": 3, "num_reasons": 2, "reasons": {"rejected: temperature=1e-40 must be 0": 2,
+                                                           "failed on colocated:0: sampling failed": 1}}
     line = failure_warning({"num_submitted": 5, "unexpected_failures": u})
-    assert line.startswith("WARNING: 3 of 5 requests failed for reasons other than injected faults: 2 x rejected")
+    assert line == ("WARNING: 3 of 5 requests failed for reasons other than injected faults; commonest (2): "
+                    "rejected: temperature=1e-40 must be 0 (+1 other reasons). See requests.jsonl.")
     assert unexpected_failures(records[:2]) is None and failure_warning({"num_submitted": 2}) is None
