@@ -188,7 +188,7 @@ class ZmqTransport:
             if rid is not None:
                 self._forget(rid)
             what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
-            report(TransferProblem(f"zmq: rejected message: {what}", rid))
+            report(TransferProblem(f"zmq: rejected message: {what}", rid))   # the id travels beside the text
             return
         if done is not None:
             try:
@@ -210,16 +210,16 @@ class ZmqTransport:
             handoff = decode_header(head, expect)
             rid = handoff.request_id
             if rid in pending:
-                raise WireError(f"{rid}: a second begin for a transfer already under way; both dropped", rid)
+                raise WireError("a second begin for a transfer already under way; both dropped", rid)
             asm = _Assembly(handoff, time.perf_counter())
             if asm.layer_bytes > expect.max_frame_bytes:
-                raise WireError(f"{rid}: one layer of {asm.layer_bytes} bytes exceeds the "
+                raise WireError(f"one layer of {asm.layer_bytes} bytes exceeds the "
                                 f"frame limit {expect.max_frame_bytes}", rid)
             if len(pending) >= self.cfg.max_pending:
-                raise WireError(f"{rid}: refused, {len(pending)} transfers already incomplete "
+                raise WireError(f"refused, {len(pending)} transfers already incomplete "
                                 f"(transfer.max_pending={self.cfg.max_pending})", rid)
             if self._buffers.outstanding + handoff.nbytes > self.cfg.max_pending_bytes:
-                raise WireError(f"{rid}: refused, {handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
+                raise WireError(f"refused, {handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
                                 f"{self.cfg.max_pending_bytes} ({self._buffers.outstanding} in use)", rid)
             asm.allocate(self._buffers)
             pending[rid] = asm
@@ -240,7 +240,7 @@ class ZmqTransport:
         if asm is None:
             raise WireError(f"chunk for unknown request {rid!r}")     # nothing under way to fail
         if not (_int(index) and _int(l0) and _int(l1)):
-            raise WireError(f"{rid}: chunk index and layers {[index, l0, l1]} are not integers", rid)
+            raise WireError(f"chunk index and layers {[index, l0, l1]} are not integers", rid)
         in_order = index == len(asm.parts) and l0 == asm.next_layer and l0 < l1 <= asm.handoff.shape[0]
         expected = (l1 - l0) * asm.layer_bytes
         if in_order and expected <= expect.max_frame_bytes:
@@ -249,7 +249,7 @@ class ZmqTransport:
         else:
             size = len(sock.recv(copy=False))
         if not in_order or size != expected or sock.getsockopt(zmq.RCVMORE):
-            raise WireError(f"{rid}: chunk {index} layers [{l0}, {l1}) of {size} bytes does not follow "
+            raise WireError(f"chunk {index} layers [{l0}, {l1}) of {size} bytes does not follow "
                             f"layer {asm.next_layer} ({expected} bytes expected)", rid)
         asm.parts.append((l0, asm.kv[l0:l1]))
         asm.next_layer = l1
@@ -264,7 +264,7 @@ class ZmqTransport:
         for rid in [r for r, a in pending.items() if now - a.started > self.cfg.timeout_s]:
             self._buffers.give_back(pending.pop(rid).buf)
             self._forget(rid)
-            report(TransferProblem(f"zmq: {rid}: incomplete after {self.cfg.timeout_s:g} s (transfer.timeout_s), "
+            report(TransferProblem(f"zmq: transfer incomplete after {self.cfg.timeout_s:g} s (transfer.timeout_s), "
                                    "dropped", rid))
 
     def _forget(self, rid: str) -> None:
