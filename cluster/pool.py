@@ -1,8 +1,10 @@
 """The worker pools: one Ray actor per GPU, pinned through a placement group, wired for KV transfer.
 
-Ranks: prefill workers first, then decode workers (colocated: all ranks do both). Bundles are
-ordered p0, d0, p1, d1, ... so that `pack` puts each prefill/decode pair on one node when nodes
-fill up, and `spread` spreads them.
+Ranks: prefill workers first, then decode workers (colocated: all ranks do both). Once Ray has
+placed the bundles, ranks are given to bundles by node (`assign_bundles`): under `pack` each
+prefill/decode pair shares a node where it can, and under `spread` every role is spread over the
+nodes, so that no node holds a whole role while another node has workers (losing one node then never
+takes a role with it).
 """
 from __future__ import annotations
 
@@ -31,10 +33,38 @@ class WorkerHandle:
     actor: object
     info: dict = field(default_factory=dict)
     alive: bool = True
+    in_service: bool = True     # False once its KV receiver has stopped: it takes no more handoffs
 
     @property
     def name(self) -> str:
         return f"{self.role}:{self.index}"
+
+
+def assign_bundles(roles: list[str], bundle_nodes: list[str], placement: str) -> list[int]:
+    """Bundle index for each rank, given the node Ray put each bundle on.
+
+    pack: walk the bundles node by node, giving them to ranks in pair order (p0, d0, p1, d1, ...).
+    spread: each worker of a role goes to the node with the fewest workers of that role so far
+    (then the most free bundles), so a role spans as many nodes as it has workers, up to the nodes."""
+    order = bundle_order(roles)
+    by_node: dict[str, list[int]] = {}
+    for b, node in enumerate(bundle_nodes):
+        by_node.setdefault(node, []).append(b)
+    if len(by_node) == 1 or placement not in ("spread", "strict_spread"):
+        grouped = [b for bundles in by_node.values() for b in bundles]
+        out = [0] * len(roles)
+        for rank, b in zip(order, grouped):
+            out[rank] = b
+        return out
+    out = [0] * len(roles)
+    counts: dict[tuple[str, str], int] = {}
+    for role in ("prefill", "decode", "colocated"):
+        for rank in (r for r in order if roles[r] == role):
+            node = min((n for n in by_node if by_node[n]),
+                       key=lambda n: (counts.get((role, n), 0), -len(by_node[n])))
+            out[rank] = by_node[node].pop(0)
+            counts[(role, node)] = counts.get((role, node), 0) + 1
+    return out
 
 
 def bundle_order(roles: list[str]) -> list[int]:
@@ -74,15 +104,17 @@ class WorkerPool:
                                f"{bundle} within {self.cfg.startup_timeout_s:g} s; cluster resources: "
                                f"{_resources()}")
         threads = self.cfg.torch_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // len(roles))
+        nodes = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
+        bundles = assign_bundles(roles, [nodes[b] for b in range(len(roles))], self.cfg.placement)
         remote = ray.remote(Worker)
         counters: dict[str, int] = {}
-        for bundle_index, rank in enumerate(order):
+        for rank in order:
             role = roles[rank]
             index = counters.get(role, 0)
             counters[role] = index + 1
             actor = remote.options(
                 num_gpus=1, num_cpus=self.cfg.cpus_per_worker, max_concurrency=16, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundles[rank]),
             ).remote(rank, self.spec, self._engine(role), threads)
             self.workers.append(WorkerHandle(rank, role, index, actor))
         self.workers.sort(key=lambda w: w.rank)
@@ -122,10 +154,16 @@ class WorkerPool:
             self._get([w.actor.zmq_connect.remote(t, peers) for w in prefill], "connect zmq sockets")
         else:
             import torch.distributed as dist
+            from cluster.transfer.nccl_transport import bound_listener
             host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-            self._store = dist.TCPStore(host, 0, len(self.workers), is_master=True, wait_for_workers=False)
+            # the store serves on a socket bound to this node's address (it would listen on all interfaces)
+            listener = bound_listener(host)
+            port = listener.getsockname()[1]
+            self._store = dist.TCPStore(host, port, len(self.workers), is_master=True, wait_for_workers=False,
+                                        master_listen_fd=listener.detach())
             pairs = [(p.rank, d.rank) for p in prefill for d in decode]
-            self._get([w.actor.nccl_init.remote(t, len(self.workers), host, self._store.port, pairs)
+            self._get([w.actor.nccl_init.remote(t, len(self.workers), host, port, pairs,
+                                                "127.0.0.1" if local else w.info["host"])
                        for w in self.workers], "join the torch.distributed group")
         self._get([w.actor.start_receiving.remote(t.max_frame_bytes) for w in decode], "start receiving")
 

@@ -1,7 +1,8 @@
 """Ray bring-up: an embedded local instance by default, an existing cluster by address.
 
 Every check that can fail is made before any worker starts, and names what is needed and
-what the cluster has; nothing waits for resources that will not come.
+what the cluster has; nothing waits for resources that will not come. An embedded Ray dies with its
+driver, however the driver dies (cluster/ray_watchdog.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 
 import ray
 
+from cluster import ray_watchdog
 from cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
             ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
                      _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
+            ray_watchdog.watch(ray._private.worker._global_node.get_session_dir_path())
     return ray.cluster_resources()
 
 

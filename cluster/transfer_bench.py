@@ -113,8 +113,8 @@ def _raw_zmq_move(rank, sock, nbytes, chunk_bytes):
 def _setup(plan: dict) -> tuple[TransferConfig, Expect]:
     max_bytes = max(TOKEN_BYTES * kv_shape(s)[2] for s, _ in plan["sizes"])
     cfg = TransferConfig(timeout_s=120.0, chunk_bytes=plan["chunk_bytes"], max_frame_bytes=max_bytes)
-    expect = Expect(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE, vocab_size=2, max_tokens=max_bytes // TOKEN_BYTES,
-                    max_frame_bytes=max_bytes)
+    expect = Expect(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE, vocab_size=2, max_tokens=max_bytes // TOKEN_BYTES + 1,
+                    max_frame_bytes=max_bytes)     # room for the prompt and the one token its params ask for
     return cfg, expect
 
 
@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(f"note: {note}")
     sizes = [(s, args.repeats or default_repeats(s)) for s in sizes_mib]
-    store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False) if "nccl" in backends else None
+    store = None
+    if "nccl" in backends:   # served on a socket bound to HOST: a TCPStore alone listens on every interface
+        from cluster.transfer.nccl_transport import bound_listener
+        listener = bound_listener(HOST)
+        store = dist.TCPStore(HOST, listener.getsockname()[1], 2, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.detach())
     plan = {"device": device, "backends": backends, "sizes": sizes, "chunk_bytes": args.chunk_mib << 20,
             "store_port": store.port if store else 0}
     try:

@@ -5,14 +5,20 @@ the wires. Only the loop thread touches the engine; remote calls put work in an 
 from an outbox. `poll` is a long poll: it
 returns every event since the last poll (whole steps' tokens at once), or waits for the next.
 
+No request takes the worker down: an exception while admitting, stepping, exporting or importing one
+request fails that request (a `failed`, `rejected` or `import_failed` event naming it) and the loop
+goes on. Every exception on a sender or receiver thread ends in an event too.
+
 Events (plain dicts, one per kind):
     step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
     rejected  rid, reason                         the engine refused the request
+    failed    rid, reason                         it failed while being served; its blocks are freed
     sent      rid, dst, bytes, seconds, start     KV handed to the wire and delivered to it
-    send_failed rid, dst, reason
+    send_failed rid, dst, reason                  (a refusal by the receiver included)
     imported  rid, bytes, recv_s, time            KV arrived and is in this engine's pool
-    import_failed rid, reason
-    transport_error message
+    import_failed rid, reason                     (a transfer the receiver dropped included)
+    transport_error message                       a wire problem tied to no request
+    out_of_service reason                         this worker can receive no more KV
     fatal     message                             the loop died; the worker is out of service
 """
 from __future__ import annotations
@@ -23,15 +29,41 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
-from cluster.transfer.base import Arrival, TransferConfig
+from cluster.transfer.base import Arrival, TransferConfig, TransferProblem
 from cluster.transfer.wire import Expect, handoff_for
 from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.request import InvalidRequest, SamplingParams
+from workers.engine import Engine, RequestFailed
+from workers.request import InvalidRequest
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
+
+
+@dataclass
+class Submit:
+    rid: str
+    prompt_ids: list
+    params: dict
+    dst: int | None          # prefill role: where its KV goes (None: no transfer)
+    drop_transfer: bool      # fault injection: the transfer never happens
+    whole: bool              # serve it to the end here, whatever the role
+    time: float
+
+
+@dataclass
+class Abort:
+    rid: str
+
+
+@dataclass
+class Arrived:
+    arrival: Arrival
+
+
+def _reason(e: Exception) -> str:
+    return e.reason if isinstance(e, InvalidRequest) else f"{type(e).__name__}: {e}"
 
 
 class Worker:
@@ -70,7 +102,7 @@ class Worker:
                 "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
                 "gpu": torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else None,
                 "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
-                "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size,
+                "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
                 "torch_threads": torch.get_num_threads()}
 
@@ -86,22 +118,21 @@ class Worker:
         self.transport.connect(peers)
 
     def nccl_init(self, cfg: TransferConfig, world_size: int, store_host: str, store_port: int,
-                  pairs: list[tuple[int, int]]) -> None:
+                  pairs: list[tuple[int, int]], bind_host: str = "127.0.0.1") -> None:
         from cluster.transfer.nccl_transport import NcclTransport
         self.transport = NcclTransport(cfg, self.rank, world_size, store_host, store_port, pairs,
-                                       self.engine.device)
+                                       self.engine.device, bind_host)
 
     def start_receiving(self, max_frame_bytes: int) -> None:
         expect = Expect.for_engine(self.engine, max_frame_bytes)
-        self.transport.start_receiving(expect, lambda a: self._inbox.put(("arrival", a)),
-                                       lambda msg: self._emit({"kind": "transport_error", "message": msg}))
+        self.transport.start_receiving(expect, lambda a: self._inbox.put(Arrived(a)), self._on_transfer_problem)
 
     def submit(self, rid: str, prompt_ids: list[int], params: dict, dst: int | None = None,
-               drop_transfer: bool = False) -> None:
-        self._inbox.put(("submit", rid, prompt_ids, params, dst, drop_transfer, time.time()))
+               drop_transfer: bool = False, whole: bool = False) -> None:
+        self._inbox.put(Submit(rid, prompt_ids, params, dst, drop_transfer, whole, time.time()))
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._inbox.put(Abort(rid))
 
     def poll(self, timeout_s: float = 0.5) -> dict:
         with self._cond:
@@ -118,6 +149,15 @@ class Worker:
         with self._cond:
             self._events.append(event)
             self._cond.notify_all()
+
+    def _on_transfer_problem(self, p: TransferProblem) -> None:
+        """From a receive thread: tie the problem to its request when known, else to this worker."""
+        if p.fatal:
+            self._emit({"kind": "out_of_service", "reason": p.reason})
+        elif p.request_id is not None:
+            self._emit({"kind": "import_failed", "rid": p.request_id, "reason": p.reason})
+        else:
+            self._emit({"kind": "transport_error", "message": p.reason})
 
     def _run(self) -> None:
         try:
@@ -141,32 +181,37 @@ class Worker:
             self._alive = False
 
     def _handle(self, item) -> None:
-        kind = item[0]
-        if kind == "submit":
-            _, rid, prompt_ids, params, dst, drop, t = item
+        if isinstance(item, Submit):
             try:
-                self.engine.add_request(rid, prompt_ids, _params(rid, params), arrival_time=t)
-            except InvalidRequest as e:
-                self._emit({"kind": "rejected", "rid": rid, "reason": e.reason})
+                self.engine.add_request(item.rid, item.prompt_ids, item.params, arrival_time=item.time,
+                                        whole=item.whole)
+            except Exception as e:   # InvalidRequest, or anything the rules missed: this request alone
+                self._emit({"kind": "rejected", "rid": item.rid, "reason": _reason(e)})
                 return
-            if dst is not None:
-                self._dst[rid] = dst
-            if drop:
-                self._drop.add(rid)
-        elif kind == "abort":
-            rid = item[1]
+            if item.dst is not None and not item.whole:
+                self._dst[item.rid] = item.dst
+            if item.drop_transfer:
+                self._drop.add(item.rid)
+        elif isinstance(item, Abort):
+            rid = item.rid
             self._aborted.add(rid)
             self.engine.abort(rid)
             for a in self._arrivals:
                 if a.handoff.request_id == rid:
                     a.release()
             self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
-        elif kind == "arrival":
-            arrival = item[1]
-            if arrival.handoff.request_id not in self._aborted:
-                self._arrivals.append(arrival)
-            else:
-                arrival.release()
+        elif isinstance(item, Arrived):
+            a, h = item.arrival, item.arrival.handoff
+            if h.request_id in self._aborted:
+                a.release()
+                return
+            try:   # refused at once if it could never be imported here: waiting would block those behind it
+                self.engine.validate(h.request_id, h.prompt_ids, h.params)
+            except Exception as e:
+                a.release()
+                self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
+                return
+            self._arrivals.append(a)
 
     def _import_arrivals(self) -> None:
         keep = []
@@ -174,12 +219,13 @@ class Worker:
             h = a.handoff
             if not keep and self.engine.can_import(len(h.prompt_ids)):   # in arrival order
                 try:
-                    self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.sampling, a.parts)
+                    self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.params, a.parts)
                     self._emit({"kind": "imported", "rid": h.request_id, "bytes": a.nbytes,
                                 "recv_s": a.recv_s, "arrived": a.arrived, "time": time.time()})
-                except (InvalidRequest, ValueError) as e:
-                    self._emit({"kind": "import_failed", "rid": h.request_id, "reason": str(e)})
-                a.release()                       # imported (copied into the pool) or refused: done with it
+                except Exception as e:   # refused, or failed while copying in: blocks are freed either way
+                    self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
+                finally:
+                    a.release()                   # imported (copied into the pool) or refused: done with it
             else:
                 keep.append(a)
         self._arrivals = keep
@@ -188,16 +234,26 @@ class Worker:
         events = self.engine.step()
         if not events:
             return
-        first_scheduled, tokens, handoffs = {}, [], []
+        first_scheduled, tokens, handoffs, failed = {}, [], [], []
         for ev in events:
+            if isinstance(ev, RequestFailed):
+                failed.append(ev)
+                continue
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
             if ev.finish_reason == "handoff":
                 handoffs.append(ev)
         for ev in handoffs:          # start the KV on its way before telling the router
-            self._hand_off(ev.request_id, ev.time)
-        self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+            try:
+                self._hand_off(ev.request_id, ev.time)
+            except Exception as e:   # export or header failed: this request alone ends here
+                failed.append(self.engine.fail(ev.request_id, f"KV export failed: {_reason(e)}"))
+        if tokens:
+            self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+        for ev in failed:
+            self._dst.pop(ev.request_id, None)
+            self._emit({"kind": "failed", "rid": ev.request_id, "reason": ev.reason})
 
     def _hand_off(self, rid: str, first_token_time: float) -> None:
         req = self.engine.requests[rid]
@@ -221,25 +277,22 @@ class Worker:
         return self._senders[dst]
 
     def _send_loop(self, dst: int, q: queue.Queue) -> None:
-        channel = self.transport.channel(dst)
+        channel = None
         while True:
             handoff, kv = q.get()
             start = time.time()
             try:
+                if channel is None:
+                    channel = self.transport.channel(dst)
                 seconds = channel.send(handoff, kv)
-            except Exception as e:
+            except Exception as e:   # this request's KV is not delivered; the thread serves the next
                 self._emit({"kind": "send_failed", "rid": handoff.request_id, "dst": dst,
                             "reason": f"{type(e).__name__}: {e}"})
                 continue
+            finally:
+                del kv
             self._emit({"kind": "sent", "rid": handoff.request_id, "dst": dst, "bytes": handoff.nbytes,
                         "seconds": seconds, "start": start})
-
-
-def _params(rid, params: dict) -> SamplingParams:
-    try:
-        return SamplingParams.from_dict(params)
-    except TypeError as e:
-        raise InvalidRequest(rid, f"bad sampling parameters: {e}") from None
 
 
 def _node_ip() -> str:

@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import hydra
@@ -111,7 +112,28 @@ def request_row(rec, t0: float) -> dict:
         "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
         "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
+        "note": rec.note,
     }
+
+
+def unexpected_failures(records) -> dict | None:
+    """Requests that failed for a reason other than an injected fault: how many, how many distinct
+    reasons, and the three commonest."""
+    bad = Counter(r.reason for r in records if r.status == "failed" and not r.injected_fault)
+    if not bad:
+        return None
+    return {"count": sum(bad.values()), "num_reasons": len(bad), "reasons": dict(bad.most_common(3))}
+
+
+def failure_warning(metrics: dict) -> str | None:
+    """The line a run prints under its summary when requests failed for reasons of their own."""
+    u = metrics.get("unexpected_failures")
+    if not u:
+        return None
+    reason, n = next(iter(u["reasons"].items()))
+    others = f" (+{u['num_reasons'] - 1} other reasons)" if u["num_reasons"] > 1 else ""
+    return (f"WARNING: {u['count']} of {metrics['num_submitted']} requests failed for reasons other than "
+            f"injected faults; commonest ({n}): {reason}{others}. See requests.jsonl.")
 
 
 def write_jsonl(path: Path, rows) -> None:
@@ -145,6 +167,8 @@ def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident
     metrics["point"] = ident
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]
+    if unexpected := unexpected_failures(router.records.values()):
+        metrics["unexpected_failures"] = unexpected
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
@@ -179,6 +203,8 @@ def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
             results.append({"point": ident, "error": f"{type(e).__name__}: {e}"})
             continue
         print(format_summary(metrics, title=ident["label"]))
+        if warning := failure_warning(metrics):
+            print(warning)
         results.append(metrics)
     return results
 

@@ -12,6 +12,7 @@ class RouterConfig:
     max_retries: int = 2              # re-prefills of one request after worker or transfer failures
     request_timeout_s: float = 600.0  # a request unfinished by then ends failed: nothing hangs
     poll_timeout_s: float = 0.2       # longest a worker's long poll waits when it has nothing to say
+    liveness_timeout_s: float = 5.0   # a poll unanswered this long past poll_timeout_s: the worker is frozen
 
     def __post_init__(self):
         from router.policies import DECODE_POLICIES, PREFILL_POLICIES
@@ -23,7 +24,7 @@ class RouterConfig:
             raise ValueError(f"router.conditional_threshold={self.conditional_threshold} must be >= 0")
         if self.max_retries < 0:
             raise ValueError(f"router.max_retries={self.max_retries} must be >= 0")
-        for key in ("request_timeout_s", "poll_timeout_s"):
+        for key in ("request_timeout_s", "poll_timeout_s", "liveness_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"router.{key}={getattr(self, key)} must be positive")
 

@@ -17,6 +17,9 @@ class RequestRecord:
     reason: str | None = None                          # why it failed
     finish_reason: str | None = None                   # length | stop
     attempts: int = 0                                  # 1 = served first time
+    crashes: int = 0                                   # workers that died on their own while serving it
+    injected_fault: bool = False                       # an injected fault (kill, lost transfer) hit it
+    note: str | None = None                            # degraded serving, e.g. "served whole on prefill:0: ..."
     prefill_worker: str | None = None
     decode_worker: str | None = None
     queue_s: float | None = None                       # arrival -> first step that computed it

@@ -4,9 +4,20 @@ One thread per worker long-polls it and stamps every token with the router's clo
 arrives (so TTFT and inter-token latency are what a client sees); a watchdog thread times out
 lost transfers and overdue requests. All state is guarded by one lock.
 
-Each try of a request is an *attempt* with its own id on the workers ("<router>:<id>#<n>"); events of a
+Each try of a request is an *attempt* with its own id on the workers ("<router>:<n>"); events of a
 superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
 and asks for the rest, so the client's stream continues without repeats.
+
+What fails and what is retried:
+- rejected at admission, before any worker: a request breaking the rules of workers/request.py, or
+  one no worker's pool or the KV wire's limits could ever hold (placement.never_fits);
+- failed, not retried: a request a worker rejected or failed while serving it (its own error is the
+  cause, and would follow it to the next worker);
+- retried (up to router.max_retries): its worker died, or its KV transfer failed or was refused. A
+  worker that dies on its own (not by fault injection) may have been killed by one of its requests:
+  a request on a second such worker is failed, not retried again, so a poison cannot cascade.
+- A worker that does not answer its poll within poll_timeout_s + router.liveness_timeout_s (frozen)
+  counts as dead, and is killed so that it cannot come back half-alive.
 """
 from __future__ import annotations
 
@@ -22,9 +33,12 @@ import ray
 from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
 from router.config import FaultConfig, RouterConfig
+from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import RequestRecord
 from workers.request import InvalidRequest, SamplingParams, validate_request
+
+MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +47,7 @@ log = logging.getLogger(__name__)
 class Attempt:
     aid: str
     record: RequestRecord
-    kind: str                      # colocated | local (prefilled on its decode worker) | handoff
+    kind: str                      # colocated | local (prefilled on its decode worker) | handoff | whole
     prefill: WorkerHandle          # computes the prompt
     decode: WorkerHandle           # makes the remaining tokens (the same worker unless handoff)
     prompt_len: int                # prompt + tokens streamed before this attempt
@@ -73,7 +87,10 @@ class Router:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._victim = pool.find(faults.kill_worker) if faults.kill_worker else None
+        self._killed: set[int] = set()        # ranks killed by fault injection (their deaths are expected)
         self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
+        self._num_attempts = 0
+        self._degraded: set[str] = set()      # notes of degraded serving already logged
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> "Router":
@@ -86,15 +103,24 @@ class Router:
             timer.start()
         return self
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestRecord:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict) -> RequestRecord:
+        """Admit one request (`params` a SamplingParams or its dict). A request that breaks the rules or
+        could never fit is recorded as failed with a reason naming the field, and no worker sees it."""
         with self._lock:
-            if request_id in self.records:
+            key = request_id if isinstance(request_id, str) else str(request_id)
+            if key in self.records:
                 raise InvalidRequest(request_id, "a request with this id was already submitted")
-            rec = RequestRecord(str(request_id), list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
-                                params.max_tokens, self.clock())
+            max_tokens = params.get("max_tokens") if isinstance(params, dict) else getattr(params, "max_tokens", 0)
+            rec = RequestRecord(key, list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
+                                max_tokens if isinstance(max_tokens, int) else 0, self.clock())
             self.records[rec.id] = rec
             try:
-                validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)
+                params = validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)
+                t = self.pool.transfer
+                why = never_fits(self.mode, self.pool.workers, len(prompt_ids), params.max_tokens,
+                                 self.cfg.conditional_threshold, t.max_frame_bytes, t.max_pending_bytes)
+                if why is not None:
+                    raise InvalidRequest(request_id, f"can never fit: {why}")
             except InvalidRequest as e:
                 self._fail(rec, f"rejected: {e.reason}")
                 return rec
@@ -138,31 +164,23 @@ class Router:
             t.join(timeout=self.cfg.poll_timeout_s + 5)
 
     # -- dispatch -------------------------------------------------------------------------------
-    def _live(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.pool.workers if w.role == role and w.alive]
-
-    def _choose(self, policy, role: str, prompt_len: int) -> WorkerHandle | None:
-        live = self._live(role)
-        if not live:
-            return None
-        load = policy.choose([self.loads[w.rank] for w in live], prompt_len)
-        return next(w for w in live if self.loads[w.rank] is load)
-
     def _dispatch(self, rec: RequestRecord) -> None:
         prompt = rec.prompt_ids + rec.output_ids
-        n = len(prompt)
-        if self.mode == "colocated":
-            decode = prefill = self._choose(self.prefill_policy, "colocated", n)
-            kind = "colocated"
-        else:
-            decode = self._choose(self.decode_policy, "decode", n)
-            kind = "local" if n < self.cfg.conditional_threshold else "handoff"
-            prefill = decode if kind == "local" else self._choose(self.prefill_policy, "prefill", n)
-        if decode is None or prefill is None:
-            role = "colocated" if self.mode == "colocated" else "decode" if decode is None else "prefill"
-            return self._fail(rec, f"no live {role} worker left")
+        n, left = len(prompt), rec.max_tokens - len(rec.output_ids)
+        chosen = plan(self.mode, self.pool.workers, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
+                      self.cfg.conditional_threshold, self.pool.cfg.placement in ("pack", "strict_pack"))
+        if isinstance(chosen, str):
+            rec.injected_fault = rec.injected_fault or bool(self._killed)   # no worker left: the kills did it
+            return self._fail(rec, chosen)
+        kind, prefill, decode = chosen.kind, chosen.prefill, chosen.decode
+        if chosen.note:
+            rec.note = chosen.note
+            if chosen.note not in self._degraded:
+                self._degraded.add(chosen.note)
+                log.warning("degraded serving: %s", chosen.note)
         rec.attempts += 1
-        att = Attempt(f"{self._tag}:{rec.id}#{rec.attempts}", rec, kind, prefill, decode, n, self.clock())
+        self._num_attempts += 1
+        att = Attempt(f"{self._tag}:{self._num_attempts}", rec, kind, prefill, decode, n, self.clock())
         self._attempts[att.aid] = att
         rec.prefill_worker, rec.decode_worker = prefill.name, decode.name
         self.loads[prefill.rank].prompt_tokens += n
@@ -172,8 +190,10 @@ class Router:
         if kind == "handoff":
             self._num_handoffs += 1
             drop = rec.attempts == 1 and self._num_handoffs == self.faults.timeout_transfer_of
-        params = dataclasses.replace(self._params[rec.id], max_tokens=rec.max_tokens - len(rec.output_ids))
-        prefill.actor.submit.remote(att.aid, prompt, params.to_dict(), decode.rank if kind == "handoff" else None, drop)
+            rec.injected_fault = rec.injected_fault or drop
+        params = dataclasses.replace(self._params[rec.id], max_tokens=left)
+        prefill.actor.submit.remote(att.aid, prompt, params.to_dict(), decode.rank if kind == "handoff" else None,
+                                    drop, kind == "whole")
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         """Forget an attempt: release its load and (unless it finished) tell live workers to drop it."""
@@ -199,11 +219,15 @@ class Router:
         log.warning("request %s failed: %s", rec.id, reason)
         self._lock.notify_all()
 
-    def _retry(self, att: Attempt, reason: str) -> None:
+    def _retry(self, att: Attempt, reason: str, crashed: bool = False) -> None:
         if att.aid not in self._attempts:
             return
         self._drop(att)
         rec = att.record
+        rec.crashes += crashed
+        if rec.crashes >= MAX_CRASHES:
+            return self._fail(rec, f"{reason}; not retried: it was on {rec.crashes} workers that died while "
+                                   "serving it, and may be what killed them")
         if rec.attempts > self.cfg.max_retries:
             return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
                                    f"{self.cfg.max_retries})")
@@ -219,14 +243,21 @@ class Router:
             self.transport_errors.append(f"{w.name}: {ev['message']}")
             log.warning("%s: %s", w.name, ev["message"])
             return
+        if kind == "out_of_service":
+            return self._on_out_of_service(w, ev["reason"])
         if kind == "fatal":
             return self._on_dead(w, f"worker {w.name} failed: {ev['message'].strip().splitlines()[-1]}")
         att = self._attempts.get(ev["rid"])
-        if att is None:
+        if kind in ("send_failed", "import_failed"):
+            self.transport_errors.append(f"{w.name}: {ev['reason']}")
+        if att is None or w not in (att.prefill, att.decode):
             return
         if kind == "rejected":
             self._drop(att)
             self._fail(att.record, f"rejected by {w.name}: {ev['reason']}")
+        elif kind == "failed":
+            self._drop(att)
+            self._fail(att.record, f"failed on {w.name}: {ev['reason']}")
         elif kind == "sent":
             att.sent = True
             rec = att.record
@@ -234,7 +265,7 @@ class Router:
         elif kind == "imported":
             att.imported = True
             att.record.kv_arrived = ev["arrived"]
-        elif kind in ("send_failed", "import_failed"):
+        elif kind in ("send_failed", "import_failed") and att.kind == "handoff":
             self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
 
     def _on_step(self, w: WorkerHandle, ev: dict, now: float) -> None:
@@ -279,11 +310,25 @@ class Router:
         if not w.alive:
             return
         w.alive = False
+        injected = w.rank in self._killed
         log.warning("%s", reason)
         for att in list(self._attempts.values()):
             lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
             if att.decode is w or lost_prompt:
-                self._retry(att, reason)
+                att.record.injected_fault = att.record.injected_fault or injected
+                self._retry(att, reason, crashed=not injected)
+
+    def _on_out_of_service(self, w: WorkerHandle, reason: str) -> None:
+        """Its KV receiver stopped: no more handoffs to it; those under way go elsewhere. What it is
+        already decoding goes on."""
+        self.transport_errors.append(f"{w.name}: {reason}")
+        if not w.in_service:
+            return
+        w.in_service = False
+        log.warning("%s takes no more KV: %s", w.name, reason)
+        for att in list(self._attempts.values()):
+            if att.decode is w and att.kind == "handoff" and not att.imported:
+                self._retry(att, f"{w.name} stopped receiving KV: {reason}")
 
     # -- threads --------------------------------------------------------------------------------
     def _spawn(self, target, *args, name: str) -> None:
@@ -292,9 +337,16 @@ class Router:
         self._threads.append(t)
 
     def _poll_loop(self, w: WorkerHandle) -> None:
+        limit = self.cfg.poll_timeout_s + self.cfg.liveness_timeout_s
         while not self._stop.is_set() and w.alive:
             try:
-                reply = ray.get(w.actor.poll.remote(self.cfg.poll_timeout_s), timeout=self.cfg.poll_timeout_s + 30)
+                reply = ray.get(w.actor.poll.remote(self.cfg.poll_timeout_s), timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                with self._lock:
+                    self._on_dead(w, f"worker {w.name} did not answer within {limit:g} s "
+                                     "(router.liveness_timeout_s): frozen; killed")
+                self.pool.kill(w)               # so that it cannot come back half-alive
+                return
             except ray.exceptions.RayError as e:
                 with self._lock:
                     self._on_dead(w, f"worker {w.name} died ({type(e).__name__})")
@@ -324,4 +376,6 @@ class Router:
 
     def _kill_victim(self) -> None:
         log.warning("fault injection: killing %s", self._victim.name)
+        with self._lock:
+            self._killed.add(self._victim.rank)
         self.pool.kill(self._victim)

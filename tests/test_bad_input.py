@@ -21,17 +21,32 @@ def engine():
 
 
 @pytest.mark.parametrize("prompt,params,message", [
-    ([], SamplingParams(max_tokens=4), "empty prompt"),
-    ("hello", SamplingParams(max_tokens=4), "empty prompt"),
-    ([1] * 513, SamplingParams(max_tokens=4), "prompt has 513 tokens, more than max_model_len=512"),
-    ([1] * 500, SamplingParams(max_tokens=20), "exceeds max_model_len=512"),
-    ([1, 2], SamplingParams(max_tokens=0), "max_tokens=0"),
-    ([1, 2], SamplingParams(max_tokens=-3), "max_tokens=-3"),
-    ([1, 2, 2048], SamplingParams(max_tokens=4), r"prompt_ids\[2\]=2048 is not a token id in \[0, 2048\)"),
-    ([-1], SamplingParams(max_tokens=4), r"prompt_ids\[0\]=-1"),
-    ([1.5], SamplingParams(max_tokens=4), r"prompt_ids\[0\]=1.5"),
-    ([1], SamplingParams(max_tokens=4, temperature=-1.0), "temperature"),
-    ([1], SamplingParams(max_tokens=4, top_p=0.0), "top_p"),
+    ([], {"max_tokens": 4}, "empty prompt"),
+    ("hello", {"max_tokens": 4}, "empty prompt"),
+    ([1] * 513, {"max_tokens": 4}, "prompt has 513 tokens, more than max_model_len=512"),
+    ([1] * 500, {"max_tokens": 20}, "exceeds max_model_len=512"),
+    ([1, 2], {"max_tokens": 0}, "max_tokens=0"),
+    ([1, 2], {"max_tokens": -3}, "max_tokens=-3"),
+    ([1, 2], {"max_tokens": 2.0}, "max_tokens=2.0"),
+    ([1, 2, 2048], {"max_tokens": 4}, r"prompt_ids\[2\]=2048 is not a token id in \[0, 2048\)"),
+    ([-1], {"max_tokens": 4}, r"prompt_ids\[0\]=-1"),
+    ([1.5], {"max_tokens": 4}, r"prompt_ids\[0\]=1.5"),
+    ([True], {"max_tokens": 4}, r"prompt_ids\[0\]=True"),
+    ([1], {"max_tokens": 4, "temperature": -1.0}, "temperature=-1.0"),
+    ([1], {"max_tokens": 4, "temperature": 1e-40}, r"temperature=1e-40 must be 0 \(greedy\) or a number in"),
+    ([1], {"max_tokens": 4, "temperature": float("nan")}, "temperature=nan"),
+    ([1], {"max_tokens": 4, "temperature": "0.5"}, "temperature='0.5'"),
+    ([1], {"max_tokens": 4, "top_p": 0.0}, "top_p=0.0"),
+    ([1], {"max_tokens": 4, "top_p": float("inf")}, "top_p=inf"),
+    ([1], {"max_tokens": 4, "temperature": 0.5, "seed": 2**70}, r"seed=1180591620717411303424 must be null or an "
+                                                                r"integer in \[0, 2\^64\)"),
+    ([1], {"max_tokens": 4, "seed": -1}, "seed=-1"),
+    ([1], {"max_tokens": 4, "stop_token_ids": [[1]]}, r"stop_token_ids\[0\]=\[1\] is not a token id"),
+    ([1], {"max_tokens": 4, "stop_token_ids": [5, 4096]}, r"stop_token_ids\[1\]=4096 is not a token id in \[0, 2048\)"),
+    ([1], {"max_tokens": 4, "stop_token_ids": 7}, "stop_token_ids must be a list"),
+    ([1], {"max_tokens": 4, "ignore_eos": "yes"}, "ignore_eos='yes'"),
+    ([1], {"max_tokens": 4, "best_of": 2}, r"unknown sampling field\(s\) \['best_of'\]"),
+    ([1], [4], "sampling parameters must be a mapping"),
 ])
 def test_bad_request_rejected_alone(engine, prompt, params, message):
     good = engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3))
@@ -41,6 +56,24 @@ def test_bad_request_rejected_alone(engine, prompt, params, message):
     engine.run()
     assert good.finish_reason == "length" and len(good.output_ids) == 3
     assert engine.blocks.num_used == 0 and not engine.requests
+
+
+@pytest.mark.parametrize("rid,message", [(["a"], "id must be a string or an integer, not list"),
+                                         (True, "not bool"), ("", "id must have 1 to 256"), ("x" * 257, "1 to 256")])
+def test_bad_ids_rejected(engine, rid, message):
+    with pytest.raises(InvalidRequest, match=message):
+        engine.add_request(rid, [1, 2], SamplingParams(max_tokens=2))
+    assert not engine.requests
+
+
+def test_sampling_params_are_checked_when_built():
+    """The same rules hold when SamplingParams is built directly or from a dict; `from_dict` is strict."""
+    with pytest.raises(ValueError, match="temperature=1e-40"):
+        SamplingParams(temperature=1e-40)
+    with pytest.raises(ValueError, match="seed="):
+        SamplingParams.from_dict({"seed": 2**64})
+    p = SamplingParams.from_dict({"max_tokens": 3, "temperature": 1, "stop_token_ids": [4, 5], "seed": 2**64 - 1})
+    assert p.temperature == 1.0 and p.stop_token_ids == (4, 5) and SamplingParams.from_dict(p.to_dict()) == p
 
 
 def test_request_larger_than_pool_rejected():
@@ -107,15 +140,21 @@ def test_generate_cli_rejects_bad_lines_and_completes_the_rest(tmp_path):
         {"id": "vocab", "prompt_ids": [1, 99999], "max_tokens": 5},
         {"id": "zero", "prompt_ids": [1], "max_tokens": 0},
         {"id": "typo", "prompt_ids": [1], "max_token": 3},
+        {"id": "cold", "prompt_ids": [1], "temperature": 1e-40},
+        {"id": "seed", "prompt_ids": [1], "temperature": 0.5, "seed": 2**70},
+        {"id": "stop", "prompt_ids": [1], "stop_token_ids": [[1]]},
+        {"id": [1, 2], "prompt_ids": [1]},
         {"id": "b", "prompt_ids": list(range(40)), "max_tokens": 7, "temperature": 0.9, "seed": 3},
     ]
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    prompts.write_bytes(("\n".join(json.dumps(x) for x in lines) + "\n{broken\n").encode()
+                        + b'{"id": "\xff\xfe", "prompt_ids": [1]}\n')
     out = tmp_path / "o.jsonl"
     proc = run_generate("--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--policy", "prefill_first")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["a", "empty", "vocab", "zero", "typo", "b", "line 7"]
+    assert [r["id"] for r in rows] == ["a", "empty", "vocab", "zero", "typo", "cold", "seed", "stop", "[1, 2]", "b",
+                                       "line 11", "line 12"]
     by_id = {r["id"]: r for r in rows}
     assert len(by_id["a"]["output_ids"]) == 5 and len(by_id["b"]["output_ids"]) == 7
     assert 0 < by_id["a"]["ttft_s"] <= by_id["a"]["e2e_s"]
@@ -123,9 +162,12 @@ def test_generate_cli_rejects_bad_lines_and_completes_the_rest(tmp_path):
     assert "99999" in by_id["vocab"]["error"]
     assert "max_tokens=0" in by_id["zero"]["error"]
     assert "max_token" in by_id["typo"]["error"]
-    assert "not valid JSON" in by_id["line 7"]["error"]
+    assert "temperature=1e-40" in by_id["cold"]["error"] and "seed=1180591620717411303424" in by_id["seed"]["error"]
+    assert "stop_token_ids[0]=[1]" in by_id["stop"]["error"]
+    assert "id must be a string or an integer, not list" in by_id["[1, 2]"]["error"]
+    assert "not valid JSON" in by_id["line 11"]["error"] and "not valid UTF-8" in by_id["line 12"]["error"]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["num_completed"] == 2 and summary["num_rejected"] == 5
+    assert summary["num_completed"] == 2 and summary["num_rejected"] == 10
 
 
 def test_generate_cli_bad_checkpoint_exits_with_reason(tmp_path):

@@ -178,3 +178,23 @@ def test_sweep_records_crashed_points_and_resumes(tmp_path):
     assert report.returncode == 0, report.stderr[-2000:]
     text = (sweep / "report.md").read_text()
     assert "1P+1D" in text and "CUDA" in text
+
+
+def test_requests_failed_for_their_own_reasons_are_flagged_in_the_summary():
+    from experiments.run import failure_warning, unexpected_failures
+    from router.records import RequestRecord
+
+    def rec(rid, status, reason=None, injected=False):
+        r = RequestRecord(rid, [1], 4, 0.0, status=status, reason=reason)
+        r.injected_fault = injected
+        return r
+    records = [rec("a", "ok"), rec("b", "failed", "worker decode:0 died", injected=True),
+               rec("c", "failed", "rejected: temperature=1e-40 must be 0"), rec("d", "failed", "rejected: temperature=1e-40 must be 0"),
+               rec("e", "failed", "failed on colocated:0: sampling failed")]
+    u = unexpected_failures(records)
+    assert u == {"count": 3, "num_reasons": 2, "reasons": {"rejected: temperature=1e-40 must be 0": 2,
+                                                           "failed on colocated:0: sampling failed": 1}}
+    line = failure_warning({"num_submitted": 5, "unexpected_failures": u})
+    assert line == ("WARNING: 3 of 5 requests failed for reasons other than injected faults; commonest (2): "
+                    "rejected: temperature=1e-40 must be 0 (+1 other reasons). See requests.jsonl.")
+    assert unexpected_failures(records[:2]) is None and failure_warning({"num_submitted": 2}) is None

@@ -2,7 +2,13 @@
 
 Every step is recorded (the raw evidence of interference); every request records its token times.
 Roles: `colocated` does both phases; `prefill` stops a request after its first token and keeps its
-KV for export; `decode` takes requests whose KV was imported and only decodes them.
+KV for export (unless it is asked to serve a request whole); `decode` takes requests whose KV was
+imported and only decodes them.
+
+Failures are per request: an exception while serving one request (its sampling row, its append) fails
+that request alone, frees its blocks and is returned as a `RequestFailed` event; a forward pass that
+fails as a whole (the culprit unknown) fails the requests of that step with the cause. The engine
+stays usable either way.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from workers.kv_cache import KVCache, num_blocks_for
 from workers.model import Llama
 from workers.model_runner import ModelRunner
 from workers.request import InvalidRequest, Request, SamplingParams, Status, validate_request
-from workers.sampler import make_generator
+from workers.sampler import SampleFailure, make_generator
 from workers.scheduler import Scheduler
 
 
@@ -58,6 +64,15 @@ class TokenEvent:
     first_scheduled: float | None = None  # on the first token made here: when its first step began
 
 
+@dataclass
+class RequestFailed:
+    """A request this engine could not go on serving; it is gone from the engine, blocks freed."""
+
+    request_id: str
+    reason: str
+    time: float
+
+
 class Engine:
     def __init__(self, model: Llama, cfg: EngineConfig, clock: Callable[[], float] = time.time):
         self.model = model
@@ -81,31 +96,34 @@ class Engine:
         self.trace: list[StepRecord] = []
 
     # -- admission ------------------------------------------------------------------------------
-    def validate(self, request_id, prompt_ids, params: SamplingParams) -> None:
-        """Raise InvalidRequest naming the request if this engine could never serve it."""
+    def validate(self, request_id, prompt_ids, params: SamplingParams | dict, whole: bool = False) -> SamplingParams:
+        """Raise InvalidRequest naming the request if this engine could never serve it; returns the
+        checked parameters. `whole`: a prefill-role engine serves it to the end (no handoff)."""
+        params = validate_request(request_id, prompt_ids, params, self.mcfg.vocab_size, self.max_model_len)
         if request_id in self.requests:
             raise InvalidRequest(request_id, "a request with this id is already in flight")
-        validate_request(request_id, prompt_ids, params, self.mcfg.vocab_size, self.max_model_len)
         n = len(prompt_ids)
-        total = n + 1 if self.cfg.role == "prefill" else n + params.max_tokens
+        total = n + 1 if self.cfg.role == "prefill" and not whole else n + params.max_tokens
         need = blocks_for(total, self.cfg.block_size)
         if need > self.blocks.num_blocks:
             raise InvalidRequest(request_id, f"needs {need} KV blocks but this engine's pool has "
                                              f"{self.blocks.num_blocks}")
+        return params
 
-    def _new_request(self, request_id, prompt_ids, params, arrival_time) -> Request:
+    def _new_request(self, request_id, prompt_ids, params, arrival_time, whole: bool = False) -> Request:
         req = Request(id=request_id, prompt_ids=list(prompt_ids), params=params,
                       arrival_time=self.clock() if arrival_time is None else arrival_time)
+        req.hand_off = self.cfg.role == "prefill" and not whole
         if not params.greedy:
             req.generator = make_generator(params.seed if params.seed is not None else 0)
         eos = () if params.ignore_eos else self.mcfg.eos_token_ids
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
         return req
 
-    def add_request(self, request_id, prompt_ids, params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        self.validate(request_id, prompt_ids, params)
-        req = self._new_request(request_id, prompt_ids, params, arrival_time)
+    def add_request(self, request_id, prompt_ids, params: SamplingParams | dict,
+                    arrival_time: float | None = None, whole: bool = False) -> Request:
+        params = self.validate(request_id, prompt_ids, params, whole)
+        req = self._new_request(request_id, prompt_ids, params, arrival_time, whole)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -119,27 +137,42 @@ class Engine:
         req.status, req.finish_reason = Status.FAILED, reason
         return req
 
+    def fail(self, request_id, reason: str) -> RequestFailed:
+        """End a request that cannot go on (abort, with the reason recorded)."""
+        self.abort(request_id, reason)
+        return RequestFailed(request_id, reason, self.clock())
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[TokenEvent | RequestFailed]:
         sched = self.scheduler.schedule()
         if not sched:
             return []
         start = self.clock()
-        tokens = self.runner.execute(sched)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            tokens = self.runner.execute(sched)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # the whole pass failed and no row is to blame: its requests end, the engine goes on
+            reason = f"the step serving it failed: {type(e).__name__}: {e}"
+            return [self.fail(c.request.id, reason) for c in sched.chunks]
         end = self.clock()
         events = []
         for chunk, token in zip(sched.chunks, tokens):
             req = chunk.request
-            req.num_computed_tokens += chunk.num_tokens
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = start
-            if token is not None:
-                events.append(self._append(req, token, end))
+            try:
+                if isinstance(token, SampleFailure):
+                    events.append(self.fail(req.id, token.reason))
+                    continue
+                req.num_computed_tokens += chunk.num_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = start
+                if token is not None:
+                    events.append(self._append(req, token, end))
+            except Exception as e:
+                events.append(self.fail(req.id, f"{type(e).__name__}: {e}"))
         self.trace.append(StepRecord(
             step=len(self.trace), start=start, end=end, num_prefill_tokens=sched.num_prefill_tokens,
             num_prefill_seqs=len(sched.prefills), num_decode_seqs=len(sched.decodes),
@@ -157,7 +190,7 @@ class Engine:
             reason = "length"
         elif token in req.stop_ids:
             reason = "stop"
-        elif self.cfg.role == "prefill":
+        elif req.hand_off:
             reason = "handoff"
         if reason == "handoff":
             self.scheduler.remove(req)
@@ -174,7 +207,7 @@ class Engine:
         self.blocks.free(req.block_ids)
         req.block_ids = []
 
-    def run(self) -> list[TokenEvent]:
+    def run(self) -> list[TokenEvent | RequestFailed]:
         """Step until no work is left; returns every event."""
         events = []
         while self.has_work():
@@ -203,7 +236,7 @@ class Engine:
                        arrival_time: float | None = None) -> Request:
         """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here.
         `kv` is one [L, 2, T, KVH, D] tensor, or (first layer, tensor) parts covering all layers."""
-        self.validate(request_id, prompt_ids, params)
+        params = self.validate(request_id, prompt_ids, params)
         parts = [(0, kv)] if isinstance(kv, torch.Tensor) else list(kv)
         try:
             self.cache.check_importable(parts, len(prompt_ids))
@@ -213,7 +246,11 @@ class Engine:
             raise RuntimeError(f"request {request_id!r}: no free KV blocks to import into; check can_import")
         req = self._new_request(request_id, prompt_ids, params, arrival_time)
         self.blocks.allocate(req.block_ids, len(prompt_ids))
-        self.cache.import_(req.block_ids, parts, len(prompt_ids))
+        try:
+            self.cache.import_(req.block_ids, parts, len(prompt_ids))
+        except Exception:
+            self._free(req)
+            raise
         req.token_ids.append(int(first_token))
         req.num_computed_tokens = len(prompt_ids)
         self.requests[request_id] = req

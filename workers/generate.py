@@ -3,8 +3,10 @@
     python -m workers.generate --model tiny --prompts prompts.jsonl --out results.jsonl
 
 Input lines: {"id": ..., "prompt_ids": [...], "max_tokens": N} and optionally temperature, top_p,
-seed, stop_token_ids, ignore_eos. Greedy unless a line asks otherwise. A bad line gets an output
-line with its `error`; the others complete. Ends with one JSON summary line on stdout.
+seed, stop_token_ids, ignore_eos. Greedy unless a line asks otherwise. A bad line (not UTF-8, not
+JSON, or failing the request rules of workers/request.py) gets an output line with its `error`, as
+does a request that fails while being served; the others complete, and the output file is always
+written. Ends with one JSON summary line on stdout.
 """
 from __future__ import annotations
 
@@ -16,38 +18,41 @@ import time
 
 from workers.config import CheckpointError, EngineConfig
 from workers.engine import Engine
-from workers.request import InvalidRequest, SamplingParams, Status
+from workers.request import SAMPLING_FIELDS, InvalidRequest, SamplingParams, Status, check_request_id
 from workers.weights import build_model, parse_device, resolve_dtype
 
 FIELDS = {"id", "prompt_ids", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos"}
 
 
-def parse_line(line: str, lineno: int, default_seed: int) -> tuple[object, list, SamplingParams]:
-    """-> (id, prompt_ids, params); raises InvalidRequest naming the line's id (or the line)."""
+def parse_line(line: bytes | str, lineno: int, default_seed: int) -> tuple[object, list, SamplingParams]:
+    """-> (id, prompt_ids, params); raises InvalidRequest naming the line's id (or the line).
+    The sampling fields go through SamplingParams.from_dict: the same rules as the router's."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"line {lineno}", f"not valid UTF-8: {e}") from None
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidRequest(f"line {lineno}", f"not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise InvalidRequest(f"line {lineno}", "not a JSON object")
     rid = obj.get("id", f"line {lineno}")
+    check_request_id(rid)
     unknown = sorted(set(obj) - FIELDS)
     if unknown:
         raise InvalidRequest(rid, f"unknown field(s) {unknown}; known: {sorted(FIELDS)}")
     if "prompt_ids" not in obj:
         raise InvalidRequest(rid, "missing field 'prompt_ids'")
+    fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    if isinstance(fields.get("stop_token_ids"), int):
+        fields["stop_token_ids"] = [fields["stop_token_ids"]]
+    fields.setdefault("seed", default_seed + lineno)
     try:
-        stop = obj.get("stop_token_ids", ())
-        params = SamplingParams(
-            max_tokens=obj.get("max_tokens", 16),
-            temperature=float(obj.get("temperature", 0.0)),
-            top_p=float(obj.get("top_p", 1.0)),
-            seed=int(obj.get("seed", default_seed + lineno)),
-            stop_token_ids=tuple(int(t) for t in ([stop] if isinstance(stop, int) else stop)),
-            ignore_eos=bool(obj.get("ignore_eos", False)),
-        )
+        params = SamplingParams.from_dict(fields)
     except (TypeError, ValueError) as e:
-        raise InvalidRequest(rid, f"bad sampling field: {e}") from None
+        raise InvalidRequest(rid, str(e)) from None
     return rid, obj["prompt_ids"], params
 
 
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(model=args.model, checkpoint=args.checkpoint, dtype=dtype, device=device, seed=args.seed)
         engine = Engine(model, ecfg)
         load_s = time.perf_counter() - t0
-        lines = open(args.prompts).read().splitlines()
+        with open(args.prompts, "rb") as f:
+            lines = f.read().splitlines()
     except (CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequest as e:
             print(f"rejected: {e}", file=sys.stderr)
             results.append({"id": e.request_id, "error": e.reason})
-    engine.run()
+    try:
+        engine.run()
+    except Exception as e:   # an engine bug: the requests still running fail, the finished ones are kept
+        print(f"error: engine stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        for req in list(engine.requests.values()):
+            engine.abort(req.id, f"engine stopped: {type(e).__name__}: {e}")
     for i, req in accepted.items():
         results[i] = result_line(req) if req.status is Status.FINISHED else {"id": req.id, "error": req.finish_reason}
     with open(args.out, "w") as f:

@@ -22,14 +22,38 @@ class InvalidRequest(ValueError):
         self.reason = reason
 
 
+# The one set of rules for what a request may ask (router, KV wire, engine and workers.generate).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0   # below 1e-2, logits / T overflow float32 to inf -> NaN
+SEED_MAX = 2**64 - 1                              # torch.Generator and msgpack both take [0, 2^64)
+MAX_STOP_IDS = 1024
+MAX_ID_CHARS = 256
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """Checked when built (also through `from_dict`): a bad value raises ValueError naming the field."""
+
     max_tokens: int = 16
     temperature: float = 0.0          # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check_sampling(self)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
     def greedy(self) -> bool:
@@ -41,8 +65,37 @@ class SamplingParams:
                 "seed": self.seed, "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+    def from_dict(cls, d) -> "SamplingParams":
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling parameters must be a mapping, not {type(d).__name__}")
+        unknown = sorted(map(str, set(d) - set(SAMPLING_FIELDS)))
+        if unknown:
+            raise ValueError(f"unknown sampling field(s) {unknown}; known: {list(SAMPLING_FIELDS)}")
+        return cls(**d)
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "ignore_eos")
+
+
+def check_sampling(p: SamplingParams) -> None:
+    """Types and ranges that need no model: each failure names its field."""
+    mt, t, top_p, seed, stop = p.max_tokens, p.temperature, p.top_p, p.seed, p.stop_token_ids
+    if not _is_int(mt) or mt < 1:
+        raise ValueError(f"max_tokens={mt!r} must be an integer >= 1")
+    if not _is_number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature={t!r} must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                         f"{MAX_TEMPERATURE:g}]")
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
+        raise ValueError(f"seed={seed!r} must be null or an integer in [0, 2^64)")
+    if not isinstance(stop, tuple) or len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_IDS} token ids")
+    for i, tok in enumerate(stop):
+        if not _is_int(tok) or tok < 0:
+            raise ValueError(f"stop_token_ids[{i}]={tok!r} is not a token id")
+    if not isinstance(p.ignore_eos, bool):
+        raise ValueError(f"ignore_eos={p.ignore_eos!r} must be true or false")
 
 
 @dataclass(eq=False)
@@ -61,6 +114,7 @@ class Request:
     num_preemptions: int = 0
     generator: object | None = None                      # torch.Generator for seeded sampling
     stop_ids: frozenset[int] = frozenset()               # EOS ids this request stops on
+    hand_off: bool = False                               # prefill role: stop after the first token
 
     def __post_init__(self):
         if not self.token_ids:
@@ -88,25 +142,48 @@ class Request:
         return self.num_tokens - self.num_computed_tokens > 1
 
 
-def validate_request(request_id, prompt_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The rules every engine (and the router, before any engine) applies to a request."""
+def check_request_id(request_id) -> None:
+    if isinstance(request_id, str):
+        if not 0 < len(request_id) <= MAX_ID_CHARS:
+            raise InvalidRequest(_shown(request_id), f"id must have 1 to {MAX_ID_CHARS} characters")
+    elif not _is_int(request_id):
+        raise InvalidRequest(_shown(request_id), f"id must be a string or an integer, not {type(request_id).__name__}")
+
+
+def _shown(request_id):
+    """An id fit to be printed and hashed in a rejection, even when it is not a valid id."""
+    if isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+        return request_id if len(str(request_id)) <= MAX_ID_CHARS else str(request_id)[:MAX_ID_CHARS] + "..."
+    return repr(request_id)[:64]
+
+
+def validate_request(request_id, prompt_ids, params, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """The rules every edge (router, KV wire, engine, workers.generate) applies to a request.
+    `params` is a SamplingParams or its dict; returns the checked SamplingParams. Raises
+    InvalidRequest naming the request and the field."""
+    check_request_id(request_id)
+
     def bad(reason):
         raise InvalidRequest(request_id, reason)
 
+    try:
+        if isinstance(params, SamplingParams):
+            check_sampling(params)       # again: a frozen dataclass can still be forged
+        else:
+            params = SamplingParams.from_dict(params)
+    except (TypeError, ValueError) as e:
+        bad(str(e))
     if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
         bad("empty prompt: prompt_ids must be a non-empty list of token ids")
     for i, tok in enumerate(prompt_ids):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
             bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab_size})")
-    mt = params.max_tokens
-    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-        bad(f"max_tokens={mt!r} must be an integer >= 1")
-    if not params.temperature >= 0:
-        bad(f"temperature={params.temperature} must be >= 0")
-    if not 0.0 < params.top_p <= 1.0:
-        bad(f"top_p={params.top_p} must be in (0, 1]")
-    n = len(prompt_ids)
+    for i, tok in enumerate(params.stop_token_ids):
+        if tok >= vocab_size:
+            bad(f"stop_token_ids[{i}]={tok} is not a token id in [0, {vocab_size})")
+    n, mt = len(prompt_ids), params.max_tokens
     if n > max_model_len:
         bad(f"prompt has {n} tokens, more than max_model_len={max_model_len}")
     if n + mt > max_model_len:
         bad(f"prompt ({n}) + max_tokens ({mt}) exceeds max_model_len={max_model_len}")
+    return params

@@ -24,11 +24,28 @@ def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, gen: to
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits [N, V] float32, one row per request -> N token ids."""
+class SampleFailure:
+    """In place of a token: this row could not be sampled; only its request fails."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"SampleFailure({self.reason!r})"
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | SampleFailure]:
+    """logits [N, V] float32, one row per request -> N token ids (or a SampleFailure for a row that
+    cannot be sampled: non-finite logits, or an error in that row's sampling)."""
     tokens = logits.argmax(dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()          # [N]
     for i, req in enumerate(requests):
         p = req.params
-        if not p.greedy:
-            tokens[i] = top_p_sample(logits[i], p.temperature, p.top_p, req.generator)
+        if not finite[i]:
+            tokens[i] = SampleFailure("the model produced non-finite logits (NaN or inf) for this request")
+        elif not p.greedy:
+            try:
+                tokens[i] = top_p_sample(logits[i], p.temperature, p.top_p, req.generator)
+            except Exception as e:   # one row's sampling must not take the step's other rows with it
+                tokens[i] = SampleFailure(f"sampling failed: {type(e).__name__}: {e}")
     return tokens

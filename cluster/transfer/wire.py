@@ -1,8 +1,9 @@
 """The handoff message: a msgpack header that describes one request's KV, then raw tensor bytes.
 
 Both transports send the same header. The receiver checks every field against what its own
-engine expects (dtype, layers, heads, head dim, length limits) before it allocates a byte, and
-checks each payload frame against the size the header announced. Nothing is ever unpickled.
+engine expects (dtype, layers, heads, head dim, length limits), and the request itself by the same
+rules the router and the engine apply (workers/request.py: validate_request), before it allocates a
+byte; it checks each payload frame against the size the header announced. Nothing is ever unpickled.
 """
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from dataclasses import asdict, dataclass
 import msgpack
 import torch
 
-from workers.request import SamplingParams
+from workers.request import InvalidRequest, SamplingParams, validate_request
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_HEADER_BYTES = 1 << 20
 
 
 class WireError(ValueError):
-    """A malformed or unexpected message; the message says which field."""
+    """A malformed or unexpected message; the message says which field, `request_id` which
+    transfer it concerns when that is known."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -67,16 +73,14 @@ class Expect:
 
 _FIELDS = {"request_id": str, "prompt_ids": list, "first_token": int, "first_token_time": float,
            "params": dict, "dtype": str, "shape": list}
-_PARAMS = {"max_tokens": int, "temperature": float, "top_p": float, "seed": (int, type(None)),
-           "stop_token_ids": list, "ignore_eos": bool}
 
 
-def _typed(value, kind, name):
+def _typed(value, kind, name, rid=None):
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise WireError(f"header field {name!r} has type {type(value).__name__}")
+        raise WireError(f"header field {name!r} has type {type(value).__name__}", rid)
 
 
 def decode_header(data: bytes, expect: Expect) -> KVHandoff:
@@ -88,29 +92,27 @@ def decode_header(data: bytes, expect: Expect) -> KVHandoff:
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(raw, dict):
         raise WireError("header is not a map")
+    rid = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
     if set(raw) != set(_FIELDS):
-        raise WireError(f"header fields {sorted(raw)} differ from {sorted(_FIELDS)}")
+        raise WireError(f"header fields {sorted(map(str, raw))} differ from {sorted(_FIELDS)}", rid)
     for name, kind in _FIELDS.items():
-        _typed(raw[name], kind, name)
-    params = raw["params"]
-    if set(params) != set(_PARAMS):
-        raise WireError(f"header params {sorted(params)} differ from {sorted(_PARAMS)}")
-    for name, kind in _PARAMS.items():
-        _typed(params[name], kind, f"params.{name}")
+        _typed(raw[name], kind, name, rid)
     prompt = raw["prompt_ids"]
-    if not 0 < len(prompt) <= expect.max_tokens:
-        raise WireError(f"prompt of {len(prompt)} tokens; this engine takes 1..{expect.max_tokens}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < expect.vocab_size
-               for t in [*prompt, raw["first_token"]]):
-        raise WireError(f"token ids outside [0, {expect.vocab_size})")
+    if len(prompt) > expect.max_tokens:
+        raise WireError(f"prompt of {len(prompt)} tokens; this engine takes 1..{expect.max_tokens}", rid)
+    try:   # the request rules of every edge: ids, prompt, sampling parameters
+        params = validate_request(rid, prompt, raw["params"], expect.vocab_size, expect.max_tokens).to_dict()
+    except InvalidRequest as e:
+        raise WireError(f"header: {e.reason}", rid) from None
+    if not 0 <= raw["first_token"] < expect.vocab_size:
+        raise WireError(f"first_token={raw['first_token']} is not a token id in [0, {expect.vocab_size})", rid)
     if raw["dtype"] != expect.dtype:
-        raise WireError(f"dtype {raw['dtype']!r}; this engine holds {expect.dtype!r}")
+        raise WireError(f"dtype {raw['dtype']!r}; this engine holds {expect.dtype!r}", rid)
     shape = tuple(raw["shape"])
     want = (expect.num_layers, 2, len(prompt), expect.num_kv_heads, expect.head_dim)
     if shape != want:
-        raise WireError(f"shape {list(shape)}; expected {list(want)} for a {len(prompt)}-token prompt")
-    return KVHandoff(raw["request_id"], prompt, raw["first_token"], float(raw["first_token_time"]),
-                     params, raw["dtype"], shape)
+        raise WireError(f"shape {list(shape)}; expected {list(want)} for a {len(prompt)}-token prompt", rid)
+    return KVHandoff(rid, prompt, raw["first_token"], float(raw["first_token_time"]), params, raw["dtype"], shape)
 
 
 def handoff_for(req, kv: torch.Tensor, first_token_time: float) -> KVHandoff:

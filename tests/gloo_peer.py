@@ -1,0 +1,87 @@
+"""One side of the torch.distributed wire attack in test_wire.py, run as its own process:
+
+    python -m tests.gloo_peer RANK STORE_PORT
+
+Rank 1 receives with the real NcclTransport (gloo on CPU). Rank 0 first breaks the protocol's rules
+with raw messages, then sends through a real NcclChannel. Each prints one JSON line of what it saw.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from cluster.transfer.base import TransferConfig, TransferRefused
+from cluster.transfer.nccl_transport import REPLY_BYTES, NcclTransport, _refusal
+from cluster.transfer.wire import Expect, KVHandoff
+
+CFG = TransferConfig(backend="nccl", timeout_s=5.0, max_frame_bytes=2 * 10240, max_pending_bytes=60 * 1024)
+EXPECT = Expect(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float32", vocab_size=2048, max_tokens=4096,
+                max_frame_bytes=CFG.max_frame_bytes)
+PARAMS = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [], "ignore_eos": True}
+
+
+def kv_for(n: int, rid: str) -> torch.Tensor:
+    """A payload both sides can recompute: [4, 2, n, 4, 32] float32."""
+    return torch.arange(4 * 2 * n * 4 * 32, dtype=torch.float32).view(4, 2, n, 4, 32) + len(rid)
+
+
+def handoff(rid: str, n: int, **params) -> KVHandoff:
+    return KVHandoff(rid, list(range(n)), 7, 1.0, {**PARAMS, **params}, "float32", (4, 2, n, 4, 32))
+
+
+def attacker(t: NcclTransport) -> dict:
+    group, seen = t.groups[(0, 1)], {}
+
+    def raw(header: bytes, layers: int) -> str | None:
+        dist.send(torch.tensor([len(header), layers], dtype=torch.int64), 1, group=group)
+        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), 1, group=group)
+        reply = torch.empty(REPLY_BYTES, dtype=torch.uint8)
+        dist.recv(reply, 1, group=group)
+        return _refusal(reply)
+
+    seen["garbage"] = raw(b"\xc1\xff\x00not msgpack", 1)
+    seen["poison"] = raw(handoff("cold#1", 10, temperature=1e-40).encode(), 1)
+    seen["frame"] = raw(handoff("wide#1", 10).encode(), 4)      # 4 layers per frame: 40 KiB > 20 KiB
+    channel = t.channel(1)
+    sent = {}
+    for rid, n in [("multi#1", 10), ("huge#1", 30), ("over#1", 20), ("after#1", 3)]:
+        try:
+            channel.send(handoff(rid, n), kv_for(n, rid))
+            sent[rid] = "sent"
+        except TransferRefused as e:
+            sent[rid] = f"refused: {e}"
+    seen["sent"] = sent
+    time.sleep(0.5)                       # let "after#1" be released before the stream breaks
+    dist.send(torch.tensor([(1 << 20) + 1, 1], dtype=torch.int64), 1, group=group)   # breaks the protocol
+    return seen
+
+
+def receiver(t: NcclTransport) -> dict:
+    got, problems = [], []
+
+    def deliver(a):
+        kv = a.parts[0][1]
+        rid = a.handoff.request_id
+        got.append({"rid": rid, "intact": bool(torch.equal(kv, kv_for(kv.shape[2], rid))), "nbytes": a.nbytes})
+        a.release()
+
+    t.start_receiving(EXPECT, deliver, lambda p: problems.append({"reason": p.reason, "fatal": p.fatal}))
+    for thread in t._threads:
+        thread.join(60)
+    return {"got": got, "problems": problems, "pending_bytes": t.pending_bytes,
+            "threads_alive": any(th.is_alive() for th in threading.enumerate() if th.name.startswith("kv-recv"))}
+
+
+def main(rank: int, port: int) -> None:
+    t = NcclTransport(CFG, rank, 2, "127.0.0.1", port, [(0, 1)], torch.device("cpu"), "127.0.0.1")
+    out = attacker(t) if rank == 0 else receiver(t)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
