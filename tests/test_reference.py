@@ -52,23 +52,30 @@ def test_logits_match_hf_float32(hf_pair, token_budget, attention):
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("policy,token_budget,block_size", [
+CASES = [
     ("prefill_first", 512, 16),
     ("prefill_first", 40, 5),       # prompts longer than the budget run alone, in pieces
     ("chunked", 512, 16),
     ("chunked", 7, 16),
     ("chunked", 64, 5),
     ("chunked", 33, 3),
-])
-@pytest.mark.parametrize("attention", ATTENTION)
+]
+
+
+# Every case through the CPU kernel; the most varied one (chunks and blocks both tiny) also through
+# flex (the GPU path: unfused on a CPU, and so slow here) and the reference.
+@pytest.mark.parametrize("policy,token_budget,block_size,attention",
+                         [(*c, "cpu") for c in CASES] + [(*CASES[5], a) for a in ("flex", "reference")])
 def test_greedy_batch_matches_hf(hf_pair, policy, token_budget, block_size, attention):
     hf, ckpt = hf_pair
     model = load_checkpoint(ckpt, torch.float32, CPU)
-    engine = Engine(model, EngineConfig(policy=policy, token_budget=token_budget, block_size=block_size,
-                                        num_kv_blocks=512 // block_size * 4, attention=attention))
     # lengths that are multiples of neither the chunk size nor the block size
     prompts = random_prompts(5, hf.config.vocab_size, [1, 19, 77, 150, 3], seed=11)
     n_new = 34
+    # a pool just large enough: unfused flex scores every key of the pool
+    blocks = sum(-(-(len(p) + n_new) // block_size) for p in prompts) + 2
+    engine = Engine(model, EngineConfig(policy=policy, token_budget=token_budget, block_size=block_size,
+                                        num_kv_blocks=blocks, attention=attention))
     reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n_new, ignore_eos=True))
             for i, p in enumerate(prompts)]
     engine.run()
