@@ -104,7 +104,7 @@ class Worker:
                 "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
                 "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "memory": e.memory()}
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport

@@ -145,6 +145,16 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def memory(self) -> dict:
+        """What this engine holds on its device besides the weights: the KV pool (sized once, at
+        start), the step buffers, and the CUDA graphs captured so far."""
+        graphs = self.runner.graphs
+        return {"kv_pool_bytes": self.cache.nbytes, "num_kv_blocks": self.blocks.num_blocks,
+                "block_size": self.cfg.block_size, "step_buffer_bytes": self.runner.buffers.nbytes,
+                "cuda_graph_bytes": graphs.memory_bytes if graphs else 0,
+                "cuda_graphs": sorted(graphs.graphs) if graphs else [],
+                "attention": self.runner.backend.name, "compiled": self.cfg.compile}
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent | RequestFailed]:
         sched = self.scheduler.schedule()

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy": args.policy, "num_requests": len(results), "num_completed": len(ok),
         "num_rejected": len(results) - len(ok), "output_tokens": sum(len(r["output_ids"]) for r in ok),
         "steps": len(engine.trace), "load_s": round(load_s, 3), "generate_s": round(wall, 3),
-        "kv_blocks": engine.blocks.num_blocks,
+        "kv_blocks": engine.blocks.num_blocks, "memory": engine.memory(),
     }
     print(f"{summary['num_completed']}/{summary['num_requests']} requests, {summary['output_tokens']} tokens "
           f"in {wall:.2f} s ({summary['steps']} steps) -> {args.out}")

@@ -47,6 +47,11 @@ class StepBuffers:
         self.np = {k: v.numpy() for k, v in self._host.items()}
         self._dev = self._host if not pin else {k: torch.zeros_like(v, device=device) for k, v in self._host.items()}
 
+    @property
+    def nbytes(self) -> int:
+        tensors = list(self._host.values()) + ([] if self._dev is self._host else list(self._dev.values()))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def device_view(self, name: str, *shape: int) -> torch.Tensor:
         """The first `shape` of buffer `name` on the device (copied there from the host on a GPU)."""
         index = tuple(slice(0, n) for n in shape)
