@@ -36,7 +36,8 @@ import torch
 from cluster.transfer.base import Arrival, TransferConfig, TransferProblem
 from cluster.transfer.wire import Expect, handoff_for
 from workers.config import EngineConfig
-from workers.engine import Engine, RequestFailed
+from workers.engine import Engine
+from workers.events import RequestFailed
 from workers.request import InvalidRequest
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
 

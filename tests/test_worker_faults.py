@@ -13,7 +13,8 @@ from cluster.transfer.base import TransferConfig
 from cluster.worker import Worker
 from tests.conftest import random_prompts
 from workers.config import EngineConfig
-from workers.engine import Engine, RequestFailed
+from workers.engine import Engine
+from workers.events import RequestFailed
 from workers.request import SamplingParams
 from workers.weights import ModelSpec, build_model
 
@@ -117,15 +118,15 @@ def test_handoff_survives_failed_exports_and_imports(live, monkeypatch):
     address = decode.zmq_bind(cfg, "127.0.0.1")
     prefill.zmq_connect(cfg, {1: address})
     decode.start_receiving(cfg.max_frame_bytes)
-    real_export, real_import = prefill.engine.export_kv, decode.engine.cache.import_
+    real_export, real_import = prefill.engine.export_kv, decode.engine.cache.import_part
     monkeypatch.setattr(prefill.engine, "export_kv",
                         lambda rid: (_ for _ in ()).throw(RuntimeError("export broke")) if rid == "g1" else real_export(rid))
 
-    def import_(block_ids, parts, n):
+    def import_part(block_ids, n, *part):
         if n == len(PROMPTS[2]):
             raise RuntimeError("import broke")
-        return real_import(block_ids, parts, n)
-    monkeypatch.setattr(decode.engine.cache, "import_", import_)
+        return real_import(block_ids, n, *part)
+    monkeypatch.setattr(decode.engine.cache, "import_part", import_part)
     for i, p in enumerate(PROMPTS):
         prefill.submit(f"g{i}", p, GREEDY, dst=1)
     out = serve([prefill, decode], {f"g{i}" for i in range(4)})

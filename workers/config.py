@@ -158,6 +158,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 
 POLICIES = ("prefill_first", "chunked")
 ROLES = ("colocated", "prefill", "decode")
+KV_STREAMS = ("off", "layer", "chunk")
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,13 @@ class EngineConfig:
     attention: str = "auto"          # auto | cpu | flex | reference (workers/attention.py)
     compile: bool = False            # torch.compile the model (inductor)
     cuda_graphs: bool = True         # on a GPU, replay decode-only steps from CUDA graphs (workers/cuda_graphs.py)
+    kv_stream: str = "off"           # prefill role: off (export after the first token) | layer | chunk
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy={self.policy!r}: choose one of {list(POLICIES)}")
+        if self.kv_stream not in KV_STREAMS:
+            raise ValueError(f"kv_stream={self.kv_stream!r}: choose one of {list(KV_STREAMS)}")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r}: choose one of {list(ROLES)}")
         for key in ("token_budget", "max_batch", "block_size", "kv_cache_bytes"):

@@ -13,64 +13,20 @@ stays usable either way.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig, blocks_for
+from workers.events import KVReady, KVReset, RequestFailed, StepRecord, TokenEvent
 from workers.kv_cache import KVCache, num_blocks_for
 from workers.model import Llama
 from workers.model_runner import ModelRunner
 from workers.request import InvalidRequest, Request, SamplingParams, Status, validate_request
 from workers.sampler import SampleFailure, make_generator
 from workers.scheduler import Scheduler
-
-
-@dataclass
-class StepRecord:
-    step: int
-    start: float
-    end: float
-    num_prefill_tokens: int
-    num_prefill_seqs: int
-    num_decode_seqs: int
-    num_tokens: int
-    num_blocks_used: int
-    num_running: int
-    num_waiting: int
-    num_preempted: int
-    prepare_s: float = 0.0     # of the step's time: building its inputs,
-    forward_s: float = 0.0     # the model,
-    sample_s: float = 0.0      # and choosing the tokens
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class TokenEvent:
-    """What one step did for one request: its new token, and whether it ended (and why)."""
-
-    request_id: str
-    token: int
-    time: float
-    finish_reason: str | None = None   # "length", "stop", or "handoff" (prefill role)
-    first_scheduled: float | None = None  # on the first token made here: when its first step began
-
-
-@dataclass
-class RequestFailed:
-    """A request this engine could not go on serving; it is gone from the engine, blocks freed."""
-
-    request_id: str
-    reason: str
-    time: float
 
 
 class Engine:
@@ -94,6 +50,10 @@ class Engine:
                                   cuda_graphs=cfg.cuda_graphs)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []
+        # Prefill role with cfg.kv_stream on: told (KVReady) when a part of a request's KV is final in
+        # the pool, during the step for "layer", after it for "chunk"; told (KVReset) when a request
+        # whose KV was streaming is preempted and will be recomputed. Set by whoever sends the KV.
+        self.kv_listener: Callable[[KVReady | KVReset], None] | None = None
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, request_id, prompt_ids, params: SamplingParams | dict, whole: bool = False) -> SamplingParams:
@@ -157,20 +117,36 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent | RequestFailed]:
+        """One step: schedule, run the model (streaming KV as configured), post-process."""
         sched = self.scheduler.schedule()
+        for req in sched.preempted:          # (a step can preempt and then have nothing to run)
+            if req.hand_off and self.cfg.kv_stream != "off":
+                self._tell_kv(KVReset(req.id), {})
         if not sched:
             return []
         start = self.clock()
+        streams = self._kv_streams(sched)
+        stream_failed: dict[str, str] = {}
+        after_layer = None
+        if streams and self.cfg.kv_stream == "layer":   # each layer's KV goes out while the next computes
+            def after_layer(i):
+                for rid, s, n in streams:
+                    self._tell_kv(KVReady(rid, i, i + 1, s, s + n), stream_failed)
         try:
-            tokens = self.runner.execute(sched)
+            tokens = self.runner.execute(sched, after_layer)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # the whole pass failed and no row is to blame: its requests end, the engine goes on
             reason = f"the step serving it failed: {type(e).__name__}: {e}"
             return [self.fail(c.request.id, reason) for c in sched.chunks]
         end = self.clock()
-        events = []
+        if self.cfg.kv_stream == "chunk":                 # the chunk's KV, every layer, once it is done
+            for rid, s, n in streams:
+                self._tell_kv(KVReady(rid, 0, self.mcfg.num_layers, s, s + n), stream_failed)
+        events = [self.fail(rid, reason) for rid, reason in stream_failed.items()]
         for chunk, token in zip(sched.chunks, tokens):
+            if chunk.request.id in stream_failed:
+                continue
             req = chunk.request
             try:
                 if isinstance(token, SampleFailure):
@@ -191,6 +167,22 @@ class Engine:
             num_preempted=len(sched.preempted), prepare_s=self.runner.times.prepare_s,
             forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s))
         return events
+
+    def _kv_streams(self, sched) -> list[tuple[str, int, int]]:
+        """Prefill chunks whose KV streams out as it is computed: (request id, first token, tokens)."""
+        if self.cfg.kv_stream == "off" or self.kv_listener is None:
+            return []
+        return [(c.request.id, c.request.num_computed_tokens, c.num_tokens) for c in sched.prefills
+                if c.request.hand_off]
+
+    def _tell_kv(self, event, failed: dict[str, str]) -> None:
+        """Hand a KV event to the listener; a listener that raises fails that request alone."""
+        if self.kv_listener is None or event.request_id in failed:
+            return
+        try:
+            self.kv_listener(event)
+        except Exception as e:
+            failed[event.request_id] = f"KV streaming failed: {type(e).__name__}: {e}"
 
     def _append(self, req: Request, token: int, now: float) -> TokenEvent:
         req.token_ids.append(token)
@@ -241,28 +233,63 @@ class Engine:
     def can_import(self, num_tokens: int) -> bool:
         return len(self.scheduler.running) < self.cfg.max_batch and self.blocks.can_allocate([], num_tokens)
 
-    def import_request(self, request_id, prompt_ids, first_token: int, params: SamplingParams,
-                       kv: torch.Tensor | list[tuple[int, torch.Tensor]],
-                       arrival_time: float | None = None) -> Request:
-        """Continue a request prefilled elsewhere: its prompt's KV goes into fresh blocks here.
-        `kv` is one [L, 2, T, KVH, D] tensor, or (first layer, tensor) parts covering all layers."""
+    def begin_import(self, request_id, prompt_ids, params: SamplingParams | dict,
+                     arrival_time: float | None = None) -> Request:
+        """Take a request prefilled elsewhere whose KV arrives in parts (`import_kv`): its blocks are
+        allocated now, and it is scheduled once `finish_import` has its first token."""
         params = self.validate(request_id, prompt_ids, params)
-        parts = [(0, kv)] if isinstance(kv, torch.Tensor) else list(kv)
-        try:
-            self.cache.check_importable(parts, len(prompt_ids))
-        except ValueError as e:
-            raise InvalidRequest(request_id, str(e)) from None
         if not self.can_import(len(prompt_ids)):
             raise RuntimeError(f"request {request_id!r}: no free KV blocks to import into; check can_import")
         req = self._new_request(request_id, prompt_ids, params, arrival_time)
         self.blocks.allocate(req.block_ids, len(prompt_ids))
-        try:
-            self.cache.import_(req.block_ids, parts, len(prompt_ids))
-        except Exception:
-            self._free(req)
-            raise
-        req.token_ids.append(int(first_token))
-        req.num_computed_tokens = len(prompt_ids)
+        req.status = Status.IMPORTING
+        req.kv_filled = np.zeros((self.mcfg.num_layers, len(prompt_ids)), dtype=bool)
         self.requests[request_id] = req
+        return req
+
+    def import_kv(self, request_id, first_layer: int, kv: torch.Tensor, start: int = 0) -> None:
+        """One part of an importing request's KV: [layers, 2, tokens, KVH, D] from `first_layer` and
+        token `start`. Parts may come in any order; none may overlap another."""
+        req = self._importing(request_id)
+        try:
+            self.cache.check_part(first_layer, kv, start, req.num_prompt_tokens)
+        except ValueError as e:
+            raise InvalidRequest(request_id, str(e)) from None
+        span = req.kv_filled[first_layer:first_layer + kv.shape[0], start:start + kv.shape[2]]
+        if span.any():
+            raise InvalidRequest(request_id, f"KV part at layer {first_layer}, token {start} overlaps one already in")
+        self.cache.import_part(req.block_ids, req.num_prompt_tokens, first_layer, kv, start)
+        span[:] = True
+
+    def finish_import(self, request_id, first_token: int) -> Request:
+        """Every part is in: the request joins the running decodes with its first token."""
+        req = self._importing(request_id)
+        missing = int((~req.kv_filled).sum())
+        if missing:
+            raise InvalidRequest(request_id, f"KV incomplete: {missing} of {req.kv_filled.size} (layer, token) "
+                                             "entries never arrived")
+        req.kv_filled = None
+        req.token_ids.append(int(first_token))
+        req.num_computed_tokens = req.num_prompt_tokens
         self.scheduler.add_running(req)
         return req
+
+    def _importing(self, request_id) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.IMPORTING:
+            raise InvalidRequest(request_id, "no import of this request is under way")
+        return req
+
+    def import_request(self, request_id, prompt_ids, first_token: int, params: SamplingParams,
+                       kv: torch.Tensor | list[tuple[int, torch.Tensor]],
+                       arrival_time: float | None = None) -> Request:
+        """Continue a request prefilled elsewhere, its KV at hand: one [L, 2, T, KVH, D] tensor, or
+        (first layer, tensor) parts covering all layers. Nothing stays allocated if it fails."""
+        self.begin_import(request_id, prompt_ids, params, arrival_time)
+        try:
+            for first, part in [(0, kv)] if isinstance(kv, torch.Tensor) else kv:
+                self.import_kv(request_id, first, part)
+            return self.finish_import(request_id, first_token)
+        except Exception:
+            self.abort(request_id, "import failed")
+            raise

@@ -1,9 +1,11 @@
 """The paged KV pool: one preallocated tensor per engine, and per-request export/import.
 
-Layout [layers, 2 (K, V), num_blocks + 1 (a scratch block), block_size, kv_heads, head_dim]: each layer's K and V are
-contiguous views the attention kernel indexes by block table. An export gathers one request's
-tokens into a single contiguous [layers, 2, tokens, kv_heads, head_dim] tensor, which a transport
-sends as is; an import scatters such a tensor into freshly allocated blocks.
+Layout [layers, 2 (K, V), num_blocks + 1 (a scratch block), block_size, kv_heads, head_dim]: each
+layer's K and V are contiguous views the attention kernel indexes by block table. An export gathers
+one request's tokens (all layers, or a run of layers; all tokens, or those from a start) into a
+contiguous [layers, 2, tokens, kv_heads, head_dim] tensor, which a transport sends as is; an import
+scatters such a part into the request's blocks, so a request's KV can arrive in any number of
+parts, layer by layer or chunk by chunk.
 """
 from __future__ import annotations
 
@@ -68,27 +70,30 @@ class KVCache:
         cfg = self.cfg                                           # [L, 2, (NB + 1) * BS, KVH, D]
         return self.pool.view(cfg.num_layers, 2, -1, cfg.num_kv_heads, cfg.head_dim)
 
-    def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """[L, 2, num_tokens, KVH, D], contiguous: exactly the request's tokens, one copy."""
-        slots = slots_for(block_ids, num_tokens, self.block_size, self.device)
-        return self._flat().index_select(2, slots)
+    def export(self, block_ids: list[int], num_tokens: int, layers: tuple[int, int] | None = None,
+               start: int = 0) -> torch.Tensor:
+        """[layers, 2, tokens, KVH, D], contiguous: tokens [start, num_tokens) of the request whose
+        table is `block_ids`, for layers [first, end) (default: all), one copy."""
+        first, end = layers or (0, self.cfg.num_layers)
+        slots = slots_for(block_ids, num_tokens, self.block_size, self.device)[start:]
+        return self._flat()[first:end].index_select(2, slots)
 
-    def check_importable(self, parts: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
-        """`parts` are (first layer, [layers, 2, num_tokens, KVH, D]) runs covering every layer in order."""
-        cfg, layer = self.cfg, 0
-        for first, t in parts:
-            expected = (t.shape[0] if t.dim() else 0, 2, num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            if first != layer or t.dim() != 5 or tuple(t.shape) != expected or t.shape[0] < 1 or t.dtype != self.dtype:
-                raise ValueError(f"imported KV part at layer {first} has shape {tuple(t.shape)} {t.dtype}; this "
-                                 f"engine expects layers from {layer}, each (2, {num_tokens}, {cfg.num_kv_heads}, "
-                                 f"{cfg.head_dim}) {self.dtype}")
-            layer += t.shape[0]
-        if layer != cfg.num_layers:
-            raise ValueError(f"imported KV covers {layer} layers; this engine expects {cfg.num_layers}")
+    def check_part(self, first_layer: int, t: torch.Tensor, start: int, num_tokens: int) -> None:
+        """A part of a request's KV: layers [first_layer, first_layer + t.shape[0]) of tokens
+        [start, start + t.shape[2]), all within a request of `num_tokens` tokens."""
+        cfg = self.cfg
+        ok = (t.dim() == 5 and t.dtype == self.dtype and t.shape[0] >= 1 and t.shape[2] >= 1
+              and tuple(t.shape[1:2]) + tuple(t.shape[3:]) == (2, cfg.num_kv_heads, cfg.head_dim)
+              and 0 <= first_layer and first_layer + t.shape[0] <= cfg.num_layers
+              and 0 <= start and start + t.shape[2] <= num_tokens)
+        if not ok:
+            raise ValueError(f"KV part of shape {tuple(t.shape)} {t.dtype} at layer {first_layer}, token {start} "
+                             f"does not fit: this engine holds {cfg.num_layers} layers of (2, tokens, "
+                             f"{cfg.num_kv_heads}, {cfg.head_dim}) {self.dtype}, {num_tokens} tokens")
 
-    def import_(self, block_ids: list[int], parts: list[tuple[int, torch.Tensor]], num_tokens: int) -> None:
-        self.check_importable(parts, num_tokens)
-        slots = slots_for(block_ids, num_tokens, self.block_size, self.device)
-        flat = self._flat()
-        for first, t in parts:
-            flat[first:first + t.shape[0]].index_copy_(2, slots, t.to(self.device))
+    def import_part(self, block_ids: list[int], num_tokens: int, first_layer: int, t: torch.Tensor,
+                    start: int = 0) -> None:
+        """Scatter one part (see check_part) into the request's blocks."""
+        self.check_part(first_layer, t, start, num_tokens)
+        slots = slots_for(block_ids, num_tokens, self.block_size, self.device)[start:start + t.shape[2]]
+        self._flat()[first_layer:first_layer + t.shape[0]].index_copy_(2, slots, t.to(self.device))

@@ -131,12 +131,16 @@ class Llama(nn.Module):
     def set_max_len(self, max_len: int, device: torch.device) -> None:
         self.rotary = Rotary(self.cfg, max_len, device)
 
-    def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata, backend,
+                after_layer=None) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]. kv_cache [L, 2, NB, BS, KVH, D]; `meta.cos`
-        and `meta.sin` hold the rotary tables at the step's positions (`Rotary.tables`)."""
+        and `meta.sin` hold the rotary tables at the step's positions (`Rotary.tables`). `after_layer(i)`,
+        if given, is called once layer i is done (its K/V in the pool)."""
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_cache, i, meta, backend)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     @torch.inference_mode()

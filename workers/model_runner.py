@@ -115,20 +115,23 @@ class ModelRunner:
             q_lens=lens.tolist(), ctx_lens=ctx.tolist())
         return b.device_view("ids", T), meta
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, after_layer=None) -> torch.Tensor:
         meta.cos, meta.sin = self.model.rotary.tables(meta.positions, self.cache.dtype)
         self.backend.prepare(meta, self.block_size, self.cache.pool.shape[2])
         with torch.no_grad():       # not inference_mode: compiled graphs mutate the pool in place
+            if after_layer is not None:     # a callback between layers: eager (it would break a graph)
+                return self.model(input_ids, self.cache.pool, meta, self.backend, after_layer)
             return self._model(input_ids, self.cache.pool, meta, self.backend)
 
-    def execute(self, sched: SchedulerOutput) -> list[int | None]:
+    def execute(self, sched: SchedulerOutput, after_layer=None) -> list[int | None]:
         """Run the step; one entry per chunk (decodes, then prefills): its new token, or None
-        for a prompt chunk that leaves the request short of its next token."""
+        for a prompt chunk that leaves the request short of its next token. `after_layer(i)` is
+        called once layer i's K/V are in the pool."""
         t0 = time.perf_counter()
-        graphed = self.graphs is not None and self.graphs.eligible(sched)
+        graphed = self.graphs is not None and after_layer is None and self.graphs.eligible(sched)
         input_ids, meta = self.graphs.prepare(sched) if graphed else self.prepare(sched)
         t1 = time.perf_counter()
-        hidden = self.graphs.run(input_ids, meta) if graphed else self.forward(input_ids, meta)
+        hidden = self.graphs.run(input_ids, meta) if graphed else self.forward(input_ids, meta, after_layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

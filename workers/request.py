@@ -9,6 +9,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # not holding KV blocks; (re)computes from token 0 when admitted
     RUNNING = "running"      # holds KV blocks, gets tokens each step until finished
     HANDOFF = "handoff"      # prefill role: first token made, KV waits to be exported
+    IMPORTING = "importing"  # decode role: holds blocks its KV is arriving into, not yet scheduled
     FINISHED = "finished"    # stopped on max_tokens or EOS
     FAILED = "failed"        # ended with an error; `finish_reason` says why
 
@@ -115,6 +116,7 @@ class Request:
     generator: object | None = None                      # torch.Generator for seeded sampling
     stop_ids: frozenset[int] = frozenset()               # EOS ids this request stops on
     hand_off: bool = False                               # prefill role: stop after the first token
+    kv_filled: object | None = None                      # importing: bool [layers, tokens] of what has arrived
 
     def __post_init__(self):
         if not self.token_ids:

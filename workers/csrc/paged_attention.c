@@ -33,12 +33,24 @@ typedef int32_t vi __attribute__((vector_size(4 * L)));
 static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 static inline vf splat(float x) { return (vf){0} + x; }
-static inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < L; i++) m = x[i] > m ? x[i] : m; return m; }
-static inline float hsum(vf x) {                  /* a shuffle tree: four adds, not fifteen */
-    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+/* horizontal reductions as shuffle trees: four steps, not fifteen */
+#define SWAP8 ((vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7})
+#define SWAP4 ((vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11})
+#define SWAP2 ((vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13})
+#define SWAP1 ((vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14})
+static inline vf vmax(vf a, vf b) { return (vf)(((vi)a & (a > b)) | ((vi)b & ~(a > b))); }
+static inline float hsum(vf x) {
+    x += __builtin_shuffle(x, SWAP8);
+    x += __builtin_shuffle(x, SWAP4);
+    x += __builtin_shuffle(x, SWAP2);
+    x += __builtin_shuffle(x, SWAP1);
+    return x[0];
+}
+static inline float hmax(vf x) {
+    x = vmax(x, __builtin_shuffle(x, SWAP8));
+    x = vmax(x, __builtin_shuffle(x, SWAP4));
+    x = vmax(x, __builtin_shuffle(x, SWAP2));
+    x = vmax(x, __builtin_shuffle(x, SWAP1));
     return x[0];
 }
 
@@ -133,14 +145,15 @@ static void NAME(const Args *a, int D_, const int32_t *table, int first_q, int n
             const int valid = q_pos0 + r / G - key0 + 1;                                              \
             vf x = load(s + r * L);                                                                   \
             x = sel(lane < (valid < nk ? valid : nk), x, splat(-INFINITY));                           \
-            const float mx = hmax(x) > m[r] ? hmax(x) : m[r];                                         \
+            const float hx = hmax(x), mx = hx > m[r] ? hx : m[r];                                     \
             if (mx == -INFINITY) { store(s + r * L, splat(0.0f)); continue; }                        \
             const vf p = vexp(x - mx);                                                                \
             const float alpha = m[r] == -INFINITY ? 0.0f : vexp(splat(m[r] - mx))[0];                 \
             l[r] = l[r] * alpha + hsum(p);                                                            \
             m[r] = mx;                                                                                \
             store(s + r * L, p);                                                                      \
-            for (int d = 0; d < D; d++) acc[r * D + d] *= alpha;                                      \
+            if (alpha != 1.0f)                                                                        \
+                for (int d = 0; d < D; d++) acc[r * D + d] *= alpha;                                  \
         }                                                                                             \
         if (DIM) {                                          /* acc += p V, 128 floats at a time */   \
             enum { V = (DIM ? DIM : L) / L, RB = V >= 8 ? 1 : 8 / V };                                \
