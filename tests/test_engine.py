@@ -60,7 +60,7 @@ def test_import_rejects_mismatched_kv(tiny):
     decode = Engine(tiny, EngineConfig(role="decode", num_kv_blocks=16))
     with pytest.raises(ValueError, match=r"shape \(4, 2, 4, 4, 32\)"):
         decode.import_request("a", [1, 2, 3], ev.token, greedy(4), kv)
-    with pytest.raises(ValueError, match="expects"):
+    with pytest.raises(ValueError, match="bfloat16 at layer 0.*does not fit.*float32"):
         decode.import_request("b", [1, 2, 3, 4], ev.token, greedy(4), kv.to(torch.bfloat16))
     assert decode.blocks.num_used == 0 and not decode.requests
 
