@@ -129,3 +129,13 @@ def headline_sentences(named: list[tuple[str, dict]]) -> list[str]:
         if any(e.value is not None for e in ests):
             out.append(sentence(name, ests, unit))
     return out
+
+
+def best(estimates: list[Estimate], higher: bool = True) -> str | None:
+    """The label whose interval lies wholly above (higher=True) or below every other's; None when none does."""
+    known = [e for e in estimates if e.ok]
+    if len(known) < 2 or len(known) < len(estimates):
+        return None
+    top = max(known, key=lambda e: e.value) if higher else min(known, key=lambda e: e.value)
+    want = 1 if higher else -1
+    return top.label if all(separated(top.ci, e.ci) == want for e in known if e is not top) else None

@@ -1,4 +1,6 @@
-"""A point that fails while its pool starts releases its actors and placement group before the next point."""
+"""A point that fails while its pool starts releases its actors and placement group before the next point.
+(Workers that die in their constructor, e.g. model.device=cuda without a GPU, were already released; the
+sweep test in test_experiments.py serves such a point and the next one after it.)"""
 import time
 
 import pytest
@@ -6,7 +8,6 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.pool import WorkerPool
-from cluster.ray_cluster import ClusterError
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
 from workers.weights import ModelSpec
@@ -28,16 +29,9 @@ def released(before: set, timeout_s: float = 30.0) -> bool:
     return False
 
 
-def pool(device="cpu", mode="disaggregated"):
-    return WorkerPool(ClusterConfig(mode=mode, log_to_driver=False, startup_timeout_s=60),
-                      ModelSpec(model="tiny", device=device), EngineConfig(num_kv_blocks=64), TransferConfig())
-
-
-def test_workers_that_die_at_start_are_released():
-    before = live_groups()
-    with pytest.raises(ClusterError, match="CUDA"):
-        pool(device="cuda", mode="colocated").start()
-    assert released(before)
+def pool():
+    return WorkerPool(ClusterConfig(mode="disaggregated", log_to_driver=False, startup_timeout_s=60),
+                      ModelSpec(model="tiny", device="cpu"), EngineConfig(num_kv_blocks=64), TransferConfig())
 
 
 def test_a_failure_after_the_workers_started_releases_them(monkeypatch):

@@ -146,7 +146,7 @@ def test_comparison_report(tmp_path, capsys):
     for png in (f for f in files if f.suffix == ".png"):
         assert_png(png)
     names = {f.name for f in files}
-    assert {"report.md", "summary.csv", "ttft_cdf.png", "tpot_cdf.png", "pool_ratio.png", "ttft_breakdown.png",
+    assert {"report.md", "summary.csv", "ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png", "comparison.png", "ttft_breakdown.png",
             "breakdown.csv", "steps_summary.csv", "timeline_colocated_prefill_first_x2.png",
             "timeline_1P1D_zmq.png"} <= names
     assert not any(n.endswith("rate.png") for n in names)  # one rate only: no rate sweep figures
@@ -192,7 +192,7 @@ def test_rate_sweep_multirun_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
     assert result["num_points"] == 6 and result["num_failed"] == 0 and result["out"] == str(out)
-    for name in ("goodput_vs_rate.png", "attainment_vs_rate.png", "ttft_cdf.png", "pool_ratio.png"):
+    for name in ("goodput_vs_rate.png", "attainment_vs_rate.png", "ttft_cdf.png", "comparison.png"):
         assert_png(out / name)
     assert str(out / "goodput_vs_rate.png") in result["files"]
     md = (out / "report.md").read_text()
