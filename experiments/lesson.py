@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import decision, lesson_plots, lesson_text
 from experiments.config import ConfigError
 from experiments.interference import gap_summary, measure
+from experiments.machine import snapshot, usage
 from experiments.roofline import HARDWARE
 from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
 from experiments.compare import Estimate, best
@@ -64,11 +65,14 @@ def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int,
 # -- 2. interference, measured -------------------------------------------------------------------
 def interference_section(cfg: DictConfig, model, hw, device: str, out: Path) -> dict:
     i = cfg.interference
+    before = snapshot()
     pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed,
                   max_remeasure=i.max_remeasure)
+    machine = usage(before, snapshot())
     lesson_plots.interference_plot(pts, out / "interference.png", device)
     return {"device": device, "hardware": asdict(hw), "context": i.context, "repeats": i.repeats,
-            "max_remeasure": i.max_remeasure, "points": [p.to_dict() for p in pts], "gap": gap_summary(pts)}
+            "max_remeasure": i.max_remeasure, "points": [p.to_dict() for p in pts], "gap": gap_summary(pts),
+            "machine": machine}
 
 
 # -- serving points through the run machinery ---------------------------------------------------

@@ -143,6 +143,8 @@ def measured(r: dict, n: int) -> str:
         "",
         compare.sentence("Prefill throughput of the chunk", tok, " tokens/s"),
     ]
+    if (busy := load_warning(it.get("machine") or {})) is not None:
+        lines += ["", f"While these steps were measured: {busy}."]
     stuck = [p for p in pts if p.get("implausible")]
     if stuck:
         lines += ["", "Still implausible after re-measuring: " + "; ".join(
