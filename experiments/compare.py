@@ -121,13 +121,20 @@ def estimate(label: str, metrics: dict, key: str, scale: float = 1) -> Estimate:
     return Estimate(label, None if value is None else scale * value, ci)
 
 
+ONE_REPEAT = "with one repeat an interval covers request-to-request variation, not run-to-run drift"
+
+
 def headline_sentences(named: list[tuple[str, dict]]) -> list[str]:
-    """One sentence per HEADLINES metric over the named points' metrics (skipping metrics none of them has)."""
+    """One sentence per HEADLINES metric over the named points' metrics (skipping metrics none of them has),
+    and a last line saying so when a point was served once."""
     out = []
     for key, name, unit, scale in HEADLINES:
         ests = [estimate(label, m, key, scale) for label, m in named]
         if any(e.value is not None for e in ests):
             out.append(sentence(name, ests, unit))
+    once = [label for label, m in named if ((m.get("repeats") or {}).get("num_ok") or 1) < 2]
+    if out and once:
+        out.append(f"{_names(once)}: served once; {ONE_REPEAT}.")
     return out
 
 

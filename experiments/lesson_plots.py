@@ -11,29 +11,37 @@ COLORS = {"prefill": "tab:red", "decode": "tab:blue", "mixed": "tab:purple"}
 
 
 def roofline_plot(hw, points, path, title: str, extra=None) -> None:
-    """Attainable FLOP/s against arithmetic intensity, each operating point marked.
+    """Attainable FLOP/s against arithmetic intensity, each operating point marked by a number that the
+    key beside the axes names (long step names next to close points would overlap).
     `extra`: more (hardware, points, marker) to draw on the same axes (e.g. a measured device)."""
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(10, 5), gridspec_kw={"width_ratios": [3.2, 1]})
+    numbers: dict[str, int] = {}
     for hw_i, pts_i, marker in [(hw, points, "o")] + list(extra or []):
         x = np.logspace(-1, 5, 200)
         ax.plot(x, np.minimum(hw_i.peak_flops, x * hw_i.mem_bw), color="black" if marker == "o" else "gray",
                 label=f"{hw_i.name} roofline (ridge {hw_i.ridge:.0f} FLOP/B)")
-        for i, p in enumerate(pts_i):
+        placed: list[float] = []                        # log10 intensity of the numbers placed so far
+        for p in sorted(pts_i, key=lambda q: q.intensity):
             kind = p.step.split()[0]
             ax.scatter(p.intensity, p.achieved_flops, color=COLORS.get(kind, "k"), marker=marker, s=40, zorder=3)
-            on_plateau = p.achieved_flops >= 0.999 * hw_i.peak_flops
-            ax.annotate(p.step, (p.intensity, p.achieved_flops), fontsize=7, textcoords="offset points",
-                        xytext=(0, 8) if on_plateau else (5, -10), rotation=40 if on_plateau else 0)
+            n = numbers.setdefault(p.step, len(numbers) + 1)
+            lx = np.log10(p.intensity)
+            near = sum(1 for px in placed if abs(px - lx) < 0.25)       # stack the numbers of close points
+            placed.append(lx)
+            ax.annotate(str(n), (p.intensity, p.achieved_flops), fontsize=7, textcoords="offset points",
+                        xytext=(4, -11 - 9 * near), color=COLORS.get(kind, "k"))
     for kind, color in COLORS.items():
         ax.scatter([], [], color=color, label=f"{kind} step")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_ylim(top=ax.get_ylim()[1] * 30)          # room for the labels above the plateau
     ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
     ax.set_ylabel("attainable FLOP/s (roofline bound)")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
+    key.set_axis_off()
+    key.text(0, 1, "\n".join(f"{n:>2}  {step}" for step, n in numbers.items()), va="top", ha="left",
+             fontsize=7.5, family="monospace", transform=key.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

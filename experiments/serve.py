@@ -213,6 +213,9 @@ def _one_line(m: dict) -> str:
 def serve_all(prepared: list[Prepared], repeats: int) -> list[dict]:
     """Serve every point `repeats` times, round-robin; returns each point's aggregated metrics (or error)."""
     round_robin(prepared)
+    for p in prepared:
+        if p.shared:
+            print(f"warning: {p.ident['label']}: {p.shared}")
     for r in range(repeats):
         for p in prepared:
             out = p.out / f"rep{r}"

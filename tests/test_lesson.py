@@ -69,8 +69,9 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-def test_no_figure_in_the_lesson_text_is_a_literal():
-    tree = ast.parse((ROOT / "experiments" / "lesson_text.py").read_text())
+@pytest.mark.parametrize("module", ["lesson_text.py", "lesson_when.py"])
+def test_no_figure_in_the_lesson_text_is_a_literal(module):
+    tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
     assert not offenders, offenders
 

@@ -104,3 +104,14 @@ def test_ratio_flags_a_mixed_step_faster_than_decode_only():
     assert ratio("a 32-token chunk", 1.02, (0.97, 1.08)).endswith("no significant difference from one")
     text = ratio("a 32-token chunk", 0.79, (0.7, 0.9), remeasured=3)
     assert "implausible (mixed step faster than decode-only): noise dominates; re-measured 3 times" in text
+
+
+def test_headline_sentences_come_from_metrics_and_say_when_a_point_ran_once():
+    from experiments.compare import headline_sentences
+    a = {"itl_ms": {"p99": 10.0}, "ci": {"itl_ms.p99": [9.0, 11.0]}, "repeats": {"num_ok": 3}}
+    b = {"itl_ms": {"p99": 20.0}, "ci": {"itl_ms.p99": [18.0, 22.0]}}
+    lines = headline_sentences([("A", a), ("B", b)])
+    assert lines[0] == ("ITL p99 (median [95% CI]): A 10.0 ms [9.00, 11.0], B 20.0 ms [18.0, 22.0]: "
+                        "A is lower than B (95% intervals separate).")
+    assert len(lines) == 2 and lines[1].startswith("B: served once; with one repeat an interval covers")
+    assert headline_sentences([("A", a), ("C", a | {"repeats": {"num_ok": 2}})])[-1].startswith("ITL p99")
