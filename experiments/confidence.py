@@ -110,7 +110,11 @@ def _median_leaves(values: list):
     defined = [v for v in nums if v is not None]
     if num(first) is None or isinstance(first, bool):
         return first
-    return float(np.median(defined)) if defined else None
+    if not defined:
+        return None
+    med = float(np.median(defined))
+    counts = all(isinstance(v, int) and not isinstance(v, bool) for v in values if v is not None)
+    return int(med) if counts and med.is_integer() else med      # counts stay integers where they can
 
 
 def across_repeats(metrics: list[dict], reps: list[dict[str, np.ndarray]]) -> dict:
