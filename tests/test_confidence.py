@@ -67,14 +67,15 @@ def test_step_ratio_pools_workers_that_ran_both_kinds():
     assert step_ratio(steps[:10])["ratio"] is None
 
 
-def write_repeat(d, index, ttft_ms, *, fail=False):
+def write_repeat(d, index, ttft_ms, *, fail=False, point=None):
+    point = point or {"label": "P"}
     d.mkdir(parents=True)
     if fail:
-        (d / "error.json").write_text(json.dumps({"error": "RuntimeError: boom", "point": {"label": "P"}}))
+        (d / "error.json").write_text(json.dumps({"error": "RuntimeError: boom", "point": point}))
         return
     rows = [row(i, ttft_ms / 1000 * (1 + 0.01 * i), [0.005] * 4, arrival_s=0.2 * i) for i in range(30)]
     steps = [step("c:0", k, 2.0, 0) for k in range(10)] + [step("c:0", 20 + k, 2.0 * index + 4, 64) for k in range(5)]
-    metrics = summarize(rows, 250.0, 100.0, 2) | {"step_ratio": step_ratio(steps), "point": {"label": "P"},
+    metrics = summarize(rows, 250.0, 100.0, 2) | {"step_ratio": step_ratio(steps), "point": point,
                                                    "repeat": index, "machine": {"cores": 2, "load_1m_end": 1.0 + index,
                                                                                 "overloaded": index == 2}}
     (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
