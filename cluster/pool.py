@@ -92,6 +92,14 @@ class WorkerPool:
 
     # -- bring-up -------------------------------------------------------------------------------
     def start(self) -> "WorkerPool":
+        """Place and start the workers; on any failure the actors and placement group made so far are released."""
+        try:
+            return self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> "WorkerPool":
         check_resources(self.cfg)
         roles = self.cfg.roles
         order = bundle_order(roles)

@@ -46,6 +46,10 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r}: choose one of {list(POLICIES)}")
+        for key in ("token_budget", "prefill_token_budget"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key}={value} must be a positive number of tokens (or null for the default)")
 
     def engine(self, role: str, max_model_len: int) -> EngineConfig:
         """Prefill workers prefill whole prompts; colocated and decode workers follow `policy`.
@@ -167,13 +171,14 @@ def _model(raw: dict, seed: int) -> tuple[ModelSpec, int, int]:
 def parse(cfg: DictConfig) -> RunSpec:
     """The composed Hydra config -> a validated RunSpec (raises ConfigError)."""
     known = {"model", "cluster", "scheduler", "transfer", "router", "workload", "slo", "fault",
-             "seed", "layout", "compare", "report"}
+             "seed", "layout", "compare", "report", "repeats"}
     unknown = sorted(set(cfg.keys()) - known - {"hydra"})
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]}; top-level options are {sorted(known)}")
     seed = cfg.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"seed={seed!r}: expected an integer")
+    repeats(cfg)
     model, vocab, max_pos = _model(_plain(cfg, "model"), seed)
     cluster_raw = _plain(cfg, "cluster")
     gpus = cluster_raw.pop("gpus", 2)
@@ -204,6 +209,53 @@ def parse(cfg: DictConfig) -> RunSpec:
         workload=section(WorkloadConfig, workload_raw, "workload"),
         slo=section(SLOConfig, _plain(cfg, "slo"), "slo"),
         seed=seed, max_model_len=max_model_len, vocab_size=vocab)
+
+
+def repeats(cfg: DictConfig) -> int:
+    """The top-level `repeats` (default 1): how many times each point is served."""
+    n = cfg.get("repeats", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"repeats={n!r} must be a positive integer")
+    return n
+
+
+# cluster.* keys a layout writes: given on the command line, they are served as given
+LAYOUT_KEYS = ("cluster.mode", "cluster.workers", "cluster.prefill_workers", "cluster.decode_workers")
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The keys of Hydra command-line overrides ("+a.b=1" -> "a.b"; "~a" -> "a")."""
+    return [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+
+
+def yield_to_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Explicit cluster layout settings win over the default comparison: with any of LAYOUT_KEYS on the
+    command line and neither `compare` nor `layout` given there, `compare` becomes null. Given together
+    with a layout that would overwrite them (from the command line or a preset), they are an error, as is
+    `scheduler.policy` beside a colocated layout, which sets the policy itself."""
+    keys = override_keys(overrides)
+    explicit = [k for k in keys if k in LAYOUT_KEYS]
+    layout, compare = cfg.get("layout"), cfg.get("compare")
+    given = {k: next(o.split("=", 1)[-1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == k)
+             for k in set(explicit) | ({"scheduler.policy"} & set(keys))}
+    if explicit:
+        first = explicit[0]
+        if layout is not None:
+            raise ConfigError(f"{first}={given[first]} conflicts with layout={layout}, which sets it; "
+                              "give one or the other (layout=null serves cluster.* as given)")
+        if compare and "compare" in keys:
+            raise ConfigError(f"{first}={given[first]} conflicts with compare={list(compare)}, whose layouts set it; "
+                              "give one or the other (compare=null serves cluster.* as given)")
+        if compare:
+            cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+            cfg.compare = None
+            compare = None
+    if "scheduler.policy" in given:
+        colocated = [x for x in ([layout] if layout is not None else list(compare or [])) if x in COLOCATED_LAYOUTS]
+        if colocated:
+            raise ConfigError(f"scheduler.policy={given['scheduler.policy']} conflicts with layout {colocated[0]}, "
+                              "which sets the policy; give compare=null with cluster.mode=colocated to serve it")
+    return cfg
 
 
 def apply_layout(cfg: DictConfig, layout: str) -> DictConfig:

@@ -24,9 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import decision, lesson_plots, lesson_text
 from experiments.config import ConfigError
 from experiments.interference import gap_summary, measure
+from experiments.machine import snapshot, usage
 from experiments.roofline import HARDWARE
 from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
-from experiments.run import CONF_DIR, run_points
+from experiments.compare import Estimate, best
+from experiments.run import CONF_DIR
+from experiments.serve import prepare, serve_all
 from workers.config import preset
 from workers.weights import build_model, parse_device, resolve_dtype
 
@@ -62,20 +65,30 @@ def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int,
 # -- 2. interference, measured -------------------------------------------------------------------
 def interference_section(cfg: DictConfig, model, hw, device: str, out: Path) -> dict:
     i = cfg.interference
-    pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed)
+    before = snapshot()
+    pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed,
+                  max_remeasure=i.max_remeasure)
+    machine = usage(before, snapshot())
     lesson_plots.interference_plot(pts, out / "interference.png", device)
-    return {"device": device, "hardware": asdict(hw), "context": i.context, "points": [p.to_dict() for p in pts],
-            "gap": gap_summary(pts)}
+    return {"device": device, "hardware": asdict(hw), "context": i.context, "repeats": i.repeats,
+            "max_remeasure": i.max_remeasure, "points": [p.to_dict() for p in pts], "gap": gap_summary(pts),
+            "machine": machine}
 
 
 # -- serving points through the run machinery ---------------------------------------------------
-def serve(overrides: list[str], out: Path) -> dict:
-    """One point, served exactly as `python -m experiments.run` would (same code, same files)."""
-    pcfg = compose("config", overrides=["compare=null", "report=false", *overrides])
-    (result,) = run_points(pcfg, out, ",".join(overrides))
-    if "error" in result:
-        raise RuntimeError(f"{result['point']['label']}: {result['error']}")
-    return result
+def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str, dict]:
+    """Serve each named point (its overrides) exactly as `python -m experiments.run` would (same code, same
+    files, under runs/<name>/), all of them `cfg.repeats` times round-robin; returns each one's summary."""
+    prepared = []
+    for name, overrides in named.items():
+        pcfg = compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
+        prepared += prepare(pcfg, runs / name, ",".join(overrides))
+    out = {}
+    for name, result in zip(named, serve_all(prepared, cfg.repeats)):
+        if "error" in result:
+            raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
+        out[name] = summary(result)
+    return out
 
 
 def common(cfg: DictConfig) -> list[str]:
@@ -85,11 +98,13 @@ def common(cfg: DictConfig) -> list[str]:
 
 
 def summary(metrics: dict) -> dict:
-    keep = ("goodput", "goodput_per_gpu", "slo_attainment", "num_completed", "num_submitted", "duration_s")
-    out = {k: metrics[k] for k in keep}
+    keep = ("goodput", "goodput_per_gpu", "slo_attainment", "num_completed", "num_submitted", "duration_s",
+            "step_ratio", "ci", "machine")
+    out = {k: metrics.get(k) for k in keep}
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         out[key] = metrics[key]
     out["label"] = metrics["point"]["label"]
+    out["repeats"] = (metrics.get("repeats") or {}).get("num_ok", 1)
     return out
 
 
@@ -97,25 +112,34 @@ def summary(metrics: dict) -> dict:
 def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
     c = cfg.chunking
     base = common(cfg) + [f"workload={c.workload}", f"workload.rate={c.rate}", f"workload.num_requests={c.num_requests}"]
-    chunked = [{"chunk": size, **summary(serve(base + ["layout=colocated-chunked", f"scheduler.token_budget={size}"],
-                                               runs / f"chunked_{size}"))} for size in c.chunk_sizes]
-    refs = {"prefill_first": summary(serve(base + ["layout=colocated-prefill_first"], runs / "prefill_first")),
-            "disaggregated": summary(serve(base + [f"layout={_disagg(cfg.gpus)}"], runs / "disaggregated"))}
+    named = {f"chunked_{size}": base + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
+             for size in c.chunk_sizes}
+    named |= {"prefill_first": base + ["layout=colocated-prefill_first"],
+              "disaggregated": base + [f"layout={_disagg(cfg.gpus)}"]}
+    served = serve(cfg, named, runs)
+    chunked = [{"chunk": size, **served[f"chunked_{size}"]} for size in c.chunk_sizes]
+    refs = {k: served[k] for k in ("prefill_first", "disaggregated")}
     lesson_plots.chunking_plot(chunked, refs, out / "chunking.png")
-    return {"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "chunked": chunked, "refs": refs}
+    return {"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
+            "chunked": chunked, "refs": refs}
 
 
 # -- 4. when to disaggregate ---------------------------------------------------------------------
 def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
     m, e = cfg.decision.measured, cfg.decision.estimated
     layouts = ["colocated-prefill_first", "colocated-chunked", _disagg(cfg.gpus)]
-    measured = []
+    named = {}
     for lp in m.prompt_lens:
         for lo in m.output_lens:
             base = common(cfg) + ["workload=fixed", "workload.arrival=poisson", f"workload.rate={m.rate}",
                                   f"workload.num_requests={m.num_requests}", "workload.length_scale=1.0",
                                   f"workload.prompt_len.value={lp}", f"workload.output_len.value={lo}"]
-            modes = {lay: summary(serve(base + [f"layout={lay}"], runs / f"p{lp}_o{lo}" / lay)) for lay in layouts}
+            named |= {f"p{lp}_o{lo}/{lay}": base + [f"layout={lay}"] for lay in layouts}
+    served = serve(cfg, named, runs) if named else {}
+    measured = []
+    for lp in m.prompt_lens:
+        for lo in m.output_lens:
+            modes = {lay: served[f"p{lp}_o{lo}/{lay}"] for lay in layouts}
             measured.append({"prompt_len": lp, "output_len": lo, "modes": modes, "winner": _winner(modes)})
     mcfg, hw = preset(e.model), HARDWARE[e.hardware]
     estimated = {}
@@ -141,11 +165,11 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": estimated}}
 
 
-def _winner(modes: dict, tie: float = 0.05) -> str:
-    """The layout with the most goodput per GPU; "tie" when the best two are within 5%."""
-    ranked = sorted(modes.items(), key=lambda kv: kv[1]["goodput_per_gpu"] or 0.0, reverse=True)
-    top, second = ranked[0][1]["goodput_per_gpu"] or 0.0, ranked[1][1]["goodput_per_gpu"] or 0.0
-    return "tie" if top == 0 or second >= (1 - tie) * top else ranked[0][0]
+def _winner(modes: dict) -> str:
+    """The layout whose goodput per GPU interval lies above every other's; "tie" when none does."""
+    ests = [Estimate(lay, m["goodput_per_gpu"], tuple(ci) if (ci := (m.get("ci") or {}).get("goodput_per_gpu"))
+                     else None) for lay, m in modes.items()]
+    return best(ests) or "tie"
 
 
 def _plain(x):

@@ -80,8 +80,12 @@ def summarize(rows: list[dict], slo_ttft_ms: float, slo_tpot_ms: float, num_gpus
     }
 
 
-def _line(label: str, value, fmt: str = ".2f") -> str:
+def _line(label: str, value, fmt: str = ".2f", ci=None) -> str:
+    if fmt == "d" and isinstance(value, float):   # a median of counts over repeats
+        value, fmt = (int(value), "d") if value.is_integer() else (value, ".1f")
     text = "n/a" if value is None else format(value, fmt)
+    if ci and value is not None and None not in ci:
+        text = f"{text:<10} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
     return f"{label:<40} {text:<10}".rstrip()
 
 
@@ -92,30 +96,47 @@ _SECTIONS = [("ttft_ms", "TTFT", "Time to First Token"),
 
 
 def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> str:
-    """A text block shaped like `vllm bench serve`'s printout; "n/a" where a value is None."""
+    """A text block shaped like `vllm bench serve`'s printout; "n/a" where a value is None. When metrics
+    carry intervals (`ci`), each headline value is followed by its 95% interval in brackets."""
     m, slo = metrics, metrics["slo"]
+    ci = m.get("ci") or {}
     attainment = m["slo_attainment"]
     attain_text = "n/a" if attainment is None else (
         f"{attainment:.2%} (target {slo['attainment_target'] * 100:g}%; "
         f"TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
-    lines = [f"{' ' + title + ' ':=^50}",
-             _line("Successful requests:", m["num_completed"], "d"),
-             _line("Failed requests:", m["num_failed"], "d"),
-             _line("Benchmark duration (s):", m["duration_s"]),
-             _line("Total input tokens:", m["total_input_tokens"], "d"),
-             _line("Total generated tokens:", m["total_output_tokens"], "d"),
-             _line("Request throughput (req/s):", m["request_throughput"]),
-             _line("Output token throughput (tok/s):", m["output_throughput"]),
-             _line("Total Token throughput (tok/s):", m["total_token_throughput"]),
-             _line("Request goodput (req/s):", m["goodput"]),
-             _line("Goodput per GPU (req/s):", m["goodput_per_gpu"]),
-             f"{'SLO attainment:':<40} {attain_text}"]
+    if attainment is not None and ci.get("slo_attainment"):
+        lo, hi = ci["slo_attainment"]
+        attain_text = f"{attainment:.2%} [{lo:.2%}, {hi:.2%}]" + attain_text[len(f"{attainment:.2%}"):]
+    lines = [f"{' ' + title + ' ':=^50}"]
+    reps = m.get("repeats")
+    if isinstance(reps, dict):
+        lines.append(f"{'Repeats (median; [95% CI]):':<40} {reps['num_ok']}"
+                     + (f" ({reps['num_failed']} failed)" if reps.get("num_failed") else ""))
+    elif ci:
+        lines.append(f"{'One run ([95% CI] over requests):':<40} 1")
+    lines += [_line("Successful requests:", m["num_completed"], "d"),
+              _line("Failed requests:", m["num_failed"], "d"),
+              _line("Benchmark duration (s):", m["duration_s"]),
+              _line("Total input tokens:", m["total_input_tokens"], "d"),
+              _line("Total generated tokens:", m["total_output_tokens"], "d"),
+              _line("Request throughput (req/s):", m["request_throughput"], ci=ci.get("request_throughput")),
+              _line("Output token throughput (tok/s):", m["output_throughput"], ci=ci.get("output_throughput")),
+              _line("Total Token throughput (tok/s):", m["total_token_throughput"]),
+              _line("Request goodput (req/s):", m["goodput"], ci=ci.get("goodput")),
+              _line("Goodput per GPU (req/s):", m["goodput_per_gpu"], ci=ci.get("goodput_per_gpu")),
+              f"{'SLO attainment:':<40} {attain_text}"]
     for key, short, name in _SECTIONS:
         stats = m[key]
         lines.append(f"{name:-^50}")
-        lines.append(_line(f"Mean {short} (ms):", stats["mean"]))
-        lines.append(_line(f"Median {short} (ms):", stats["p50"]))
-        lines.append(_line(f"P90 {short} (ms):", stats["p90"]))
-        lines.append(_line(f"P99 {short} (ms):", stats["p99"]))
+        lines.append(_line(f"Mean {short} (ms):", stats["mean"], ci=ci.get(f"{key}.mean")))
+        lines.append(_line(f"Median {short} (ms):", stats["p50"], ci=ci.get(f"{key}.p50")))
+        lines.append(_line(f"P90 {short} (ms):", stats["p90"], ci=ci.get(f"{key}.p90")))
+        lines.append(_line(f"P99 {short} (ms):", stats["p99"], ci=ci.get(f"{key}.p99")))
+    if isinstance(m.get("step_ratio"), dict):
+        sr = m["step_ratio"]
+        lines.append(f"{'Engine steps':-^50}")
+        lines.append(_line("Decode-only step p50 (ms):", sr.get("decode_p50_ms")))
+        lines.append(_line("Mixed step p50 (ms):", sr.get("mixed_p50_ms")))
+        lines.append(_line("Mixed / decode-only step:", sr.get("ratio"), ci=ci.get("step_ratio.ratio")))
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The report's figures: one function per figure, each takes plain data, writes one PNG, returns its path.
 
-Also the per-point numbers two figures share with the report's tables (the time to the first decode step,
-step durations by kind). Nothing here reads run files; experiments/report.py does and hands over records.
+Intervals travel with the numbers: a value is (median, (lo, hi) | None) and is drawn with a whisker.
+Also the time to the first decode step, which a figure and a table share. Nothing here reads run files;
+experiments/report_sections.py does and hands over records.
 """
 from __future__ import annotations
 
@@ -12,41 +13,19 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-KINDS = ("decode", "mixed", "prefill")
-KIND_STYLE = {  # mixed steps are the interference: red, large, drawn on top
-    "decode": dict(color="tab:blue", s=8, alpha=0.5, marker="o", zorder=2, label="decode-only"),
-    "prefill": dict(color="tab:green", s=14, alpha=0.6, marker="s", zorder=3, label="prefill-only"),
-    "mixed": dict(color="red", s=36, alpha=0.9, marker="D", zorder=4, label="mixed (prefill + decode)"),
-}
+from experiments.steps import num, step_kind, step_ms  # noqa: E402
+
+MARKERS = {"decode": "o", "mixed": "D", "prefill": "s"}
+KIND_NAMES = {"decode": "decode-only", "mixed": "mixed (prefill + decode)", "prefill": "prefill-only"}
 BREAKDOWN = (  # (key, legend label, colour): the parts of the time to the first decode step, in order
     ("queue_ms", "queue", "tab:gray"),
     ("prefill_ms", "prefill", "tab:orange"),
     ("transfer_ms", "KV transfer", "tab:purple"),
     ("first_decode_ms", "first decode", "tab:blue"),
 )
-
-
-def num(x) -> float | None:
-    """x as a float; None for null, NaN, booleans, strings and the like."""
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x else None
-
-
-def step_kind(step: dict) -> str:
-    """decode (no prefill tokens), mixed (prefill tokens and decode sequences) or prefill (no decode)."""
-    if not step.get("num_decode_seqs"):
-        return "prefill"
-    return "mixed" if step.get("num_prefill_tokens") else "decode"
-
-
-def step_ms(step: dict) -> float | None:
-    start, end = num(step.get("start_s")), num(step.get("end_s"))
-    return None if start is None or end is None else (end - start) * 1000.0
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
 
 
 def first_decode_breakdown(requests: list[dict]) -> dict | None:
@@ -70,26 +49,15 @@ def first_decode_breakdown(requests: list[dict]) -> dict | None:
     return row | {"total_ms": sum(row[k] for k in parts)}
 
 
-def step_stats(steps: list[dict]) -> list[dict]:
-    """Per worker: step-duration percentiles by kind and how much slower a mixed step is than a decode-only one."""
-    rows = []
-    for worker in sorted({str(s.get("worker")) for s in steps}):
-        ms, prefill_tokens = {k: [] for k in KINDS}, []
-        for s in steps:
-            if str(s.get("worker")) == worker and step_ms(s) is not None:
-                ms[step_kind(s)].append(step_ms(s))
-                if step_kind(s) == "mixed":
-                    prefill_tokens.append(s.get("num_prefill_tokens") or 0)
-        dec, mix = pct(ms["decode"], 50), pct(ms["mixed"], 50)
-        rows.append({"worker": worker, "decode_p50_ms": dec, "mixed_p50_ms": mix, "mixed_p99_ms": pct(ms["mixed"], 99),
-                     "ratio": mix / dec if mix is not None and dec else None,
-                     "mixed_prefill_tokens_p50": pct(prefill_tokens, 50)}
-                    | {f"num_{k}_steps": len(ms[k]) for k in KINDS})
-    return rows
-
-
 def _nan(x) -> float:
     return float("nan") if x is None else float(x)
+
+
+def _whiskers(values: list, cis: list) -> np.ndarray:
+    """[2, n] distances below and above each value for errorbar(); 0 where there is no interval."""
+    lo = [v - c[0] if v is not None and c else 0.0 for v, c in zip(values, cis)]
+    hi = [c[1] - v if v is not None and c else 0.0 for v, c in zip(values, cis)]
+    return np.array([lo, hi])
 
 
 def _legend_outside(ax) -> None:
@@ -103,10 +71,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def cdf(path: Path, what: str, series: dict[str, list[float]], slo_ms: list[float]) -> Path:
-    """Empirical CDF of one latency (`what`, in ms) per point, a dashed vertical line per distinct SLO."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.cm.tab20(np.linspace(0, 1, 20)) if len(series) > 10 else plt.cm.tab10(np.arange(10))
+def _colors(n: int):
+    return plt.cm.tab20(np.linspace(0, 1, 20)) if n > 10 else plt.cm.tab10(np.arange(10))
+
+
+def _ecdf(ax, series: dict[str, list[float]], colors) -> tuple[float, float]:
     lo, hi = np.inf, 0.0
     for i, (label, values) in enumerate(series.items()):
         x = np.sort(np.asarray(values, dtype=float))
@@ -114,53 +83,91 @@ def cdf(path: Path, what: str, series: dict[str, list[float]], slo_ms: list[floa
         ax.step(x, y, where="post", color=colors[i % len(colors)], label=f"{label} (n={len(values)})")
         if (x > 0).any():
             lo, hi = min(lo, x[x > 0].min()), max(hi, x.max())
+    return lo, hi
+
+
+def cdf(path: Path, what: str, series: dict[str, list[float]], slo_ms: list[float]) -> Path:
+    """Empirical CDF of one latency (`what`, in ms) per point, a dashed vertical line per distinct SLO."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lo, hi = _ecdf(ax, series, _colors(len(series)))
     for v in sorted(set(slo_ms)):
         ax.axvline(v, color="black", ls="--", lw=1.2, label=f"{what} SLO = {v:g} ms")
     if hi / lo > 50:  # overloaded points sit decades to the right of healthy ones
         ax.set_xscale("log")
-    ax.set(title=f"{what} distribution per point (empirical CDF, completed requests)",
+    ax.set(title=f"{what} per point (empirical CDF, completed requests, repeats pooled)",
            xlabel=f"{what} (ms)", ylabel="fraction of requests", ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     return _save(fig, path)
 
 
-def vs_rate(path: Path, title: str, ylabel: str, lines: dict[str, tuple[list[float], list[float]]],
+def itl_cdf(path: Path, series: dict[str, list[float]], p99: dict[str, tuple[float | None, tuple | None]]) -> Path:
+    """Inter-token gaps per point: the whole CDF (left) and its tail above 0.9 (right), where each point's
+    ITL p99 (the median of its repeats' p99s) is marked with its 95% interval."""
+    fig, (whole, tail) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = _colors(len(series))
+    lo, hi = _ecdf(whole, series, colors)
+    _ecdf(tail, series, colors)
+    if hi / lo > 50:
+        whole.set_xscale("log")
+    p90 = min(float(np.percentile(v, 90)) for v in series.values())
+    marks = [(i, label, *p99.get(label, (None, None))) for i, label in enumerate(series)]
+    right = max([hi] + [ci[1] for *_, ci in marks if ci])
+    tail.set_xlim(0.9 * p90, 1.05 * right)
+    for k, (i, label, value, ci) in enumerate(m for m in marks if m[2] is not None):
+        y = 0.99 - 0.0025 * k                # stacked just below 0.99, so that equal p99s stay visible
+        tail.errorbar([value], [y], xerr=_whiskers([value], [ci]), fmt="o", color=colors[i % len(colors)],
+                      capsize=4, ms=5)
+    for ax in (whole, tail):
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("gap between successive tokens (ms)")
+    whole.set(title="ITL per point (empirical CDF, repeats pooled)", ylabel="fraction of gaps", ylim=(0, 1.02))
+    tail.set(title="Tail; dots: ITL p99 (median of repeats) with 95% interval", ylim=(0.9, 1.001))
+    tail.axhline(0.99, color="gray", lw=0.8, ls=":")
+    whole.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def vs_rate(path: Path, title: str, ylabel: str, lines: dict[str, tuple[list, list, list]],
             targets: list[float] = ()) -> Path:
-    """One line per configuration: y (goodput or attainment) against the offered rate."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for config, (rates, ys) in lines.items():
-        ax.plot(rates, [_nan(y) for y in ys], marker="o", label=config)
+    """One line per configuration: y (goodput or attainment) against the offered rate, 95% whiskers."""
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for config, (rates, ys, cis) in lines.items():
+        ax.errorbar(rates, [_nan(y) for y in ys], yerr=_whiskers(ys, cis), marker="o", capsize=3, label=config)
     for t in sorted(set(targets)):
         ax.axhline(t, color="black", ls="--", lw=1.2, label=f"target = {t:g} %")
     ax.set(title=title, xlabel="offered rate (req/s)", ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     return _save(fig, path)
 
 
-def pool_ratio(path: Path, rows: list[dict]) -> Path:
-    """Bars per point: goodput per GPU (top); TTFT p90 and TPOT p90 (bottom). Colour = comparison group.
+COMPARED = (("goodput_per_gpu", "goodput per GPU (req/s/GPU)"), ("itl_p99_ms", "ITL p99 (ms)"),
+            ("ttft_p99_ms", "TTFT p99 (ms)"))
 
-    rows: {label, group, goodput_per_gpu, ttft_p90_ms, tpot_p90_ms}, in drawing order.
+
+def comparison(path: Path, title: str, rows: list[dict]) -> Path:
+    """One panel per COMPARED metric, a bar per point with its 95% interval; colour = comparison group.
+
+    rows: {label, group, <key>: value, <key>_ci: (lo, hi) | None} for each COMPARED key, in drawing order.
     """
     x = np.arange(len(rows))
     groups = list(dict.fromkeys(r["group"] for r in rows))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8.5, 1.6 * len(rows) + 3), 7.5), sharex=True)
-    for i, g in enumerate(groups):
-        idx = [j for j, r in enumerate(rows) if r["group"] == g]
-        top.bar(x[idx], [_nan(rows[j]["goodput_per_gpu"]) for j in idx], color=f"C{i}", label=g)
-    top.set(title="Pool-ratio comparison at equal GPU count: goodput per GPU",
-            ylabel="goodput per GPU (req/s/GPU)")
-    _legend_outside(top)
-    w = 0.38
-    bottom.bar(x - w / 2, [_nan(r["ttft_p90_ms"]) for r in rows], w, color="tab:orange", label="TTFT p90")
-    bottom.bar(x + w / 2, [_nan(r["tpot_p90_ms"]) for r in rows], w, color="tab:blue", label="TPOT p90")
-    bottom.set(title="Latency tails (p90)", ylabel="latency (ms)", xlabel="point")
-    bottom.set_xticks(x, [r["label"] for r in rows], rotation=20, ha="right", fontsize=8)
-    _legend_outside(bottom)
-    for ax in (top, bottom):
+    fig, axes = plt.subplots(len(COMPARED), 1, figsize=(max(8.5, 1.4 * len(rows) + 4), 3.0 * len(COMPARED) + 1.2),
+                             sharex=True)
+    for ax, (key, ylabel) in zip(axes, COMPARED):
+        for i, g in enumerate(groups):
+            idx = [j for j, r in enumerate(rows) if r["group"] == g]
+            vals = [rows[j][key] for j in idx]
+            ax.bar(x[idx], [_nan(v) for v in vals], color=f"C{i}", alpha=0.8, label=g,
+                   yerr=_whiskers(vals, [rows[j].get(f"{key}_ci") for j in idx]), capsize=5)
+        ax.set_ylabel(ylabel, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    if len(groups) > 1:
+        _legend_outside(axes[0])
+    axes[0].set_title(title, fontsize=11)
+    axes[-1].set_xticks(x, [r["label"] for r in rows], rotation=20, ha="right", fontsize=8)
+    axes[-1].set_xlabel("point (bars: median over repeats; whiskers: 95% interval)")
     return _save(fig, path)
 
 
@@ -174,30 +181,39 @@ def ttft_breakdown(path: Path, rows: list[dict]) -> Path:
         ax.bar(x, np.nan_to_num(h), bottom=base, color=color, label=name)
         base += np.nan_to_num(h)
     ax.set_xticks(x, [r["label"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set(title="Mean time to the first decode step, by part", ylabel="mean time per request (ms)",
+    ax.set(title="Mean time to the first decode step, by part (repeats pooled)", ylabel="mean time per request (ms)",
            xlabel="point")
     ax.grid(axis="y", alpha=0.3)
     _legend_outside(ax)
     return _save(fig, path)
 
 
-def timeline(path: Path, label: str, steps: list[dict]) -> Path:
-    """One row per worker: each engine step's duration at its start time, coloured by step kind."""
+def timeline(path: Path, label: str, steps: list[dict], ymax_ms: float, max_prefill: int) -> Path:
+    """One row per worker: each engine step's duration at its start time. Marker = step kind; colour and
+    size = the step's prefill tokens, on the same scale (and y-scale) for every point of the report."""
     workers = sorted({str(s.get("worker")) for s in steps})
-    fig, axes = plt.subplots(len(workers), 1, figsize=(10, 1.2 + 2.0 * len(workers)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(len(workers), 1, figsize=(11, 1.6 + 2.1 * len(workers)), sharex=True, squeeze=False)
+    norm = Normalize(0, max(max_prefill, 1))
+    cmap = plt.cm.viridis
     for ax, worker in zip(axes[:, 0], workers):
         mine = [s for s in steps if str(s.get("worker")) == worker and step_ms(s) is not None]
-        for kind in KINDS:
+        for kind, marker in MARKERS.items():
             sel = [s for s in mine if step_kind(s) == kind]
-            ax.scatter([s["start_s"] for s in sel], [step_ms(s) for s in sel], **KIND_STYLE[kind])
-        ax.set_ylim(0, 1.15 * max([step_ms(s) for s in mine] + [1e-3]))
-        ax.set_ylabel("step duration (ms)")
+            tokens = np.array([s.get("num_prefill_tokens") or 0 for s in sel], dtype=float)
+            ax.scatter([s["start_s"] for s in sel], [step_ms(s) for s in sel], c=tokens, cmap=cmap, norm=norm,
+                       s=6 + 60 * tokens / max(max_prefill, 1), marker=marker, alpha=0.7, linewidths=0,
+                       zorder=2 + (kind == "mixed"))
+        ax.set_ylim(0, ymax_ms)
+        ax.set_ylabel("step (ms)")
         ax.set_title(f"worker {worker}", fontsize=9, loc="left")
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step start (s since the point's start)")
-    handles = [Line2D([], [], ls="", marker=KIND_STYLE[k]["marker"], color=KIND_STYLE[k]["color"],
-                      label=KIND_STYLE[k]["label"]) for k in KINDS]
-    fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=3)
-    fig.suptitle(f"Engine steps: {label}", x=0.02, ha="left")
-    return _save(fig, path)
+    handles = [Line2D([], [], ls="", marker=m, color="gray", label=KIND_NAMES[k]) for k, m in MARKERS.items()]
+    fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=3, bbox_to_anchor=(0.99, 0.995))
+    fig.suptitle(f"Engine steps: {label}", x=0.01, ha="left", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.9, 0.96))
+    bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01)
+    bar.set_label("prefill tokens in the step")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,212 +1,67 @@
 """Serve a workload on a cluster and write what happened: `python -m experiments.run [overrides]`.
 
 With no arguments it compares colocated prefill_first, colocated chunked and disaggregated 1P+1D
-on two (fake) GPUs with the tiny model, and writes a report. Each point writes config.yaml,
-requests.jsonl, steps.jsonl and metrics.json (experiments/FORMATS.md) into its directory.
-Sweeps: `python -m experiments.run -m +sweep=pool_ratio`. A point whose results are on disk
-with the same config is skipped; a point that crashes leaves error.json and the rest go on.
+on two (fake) GPUs with the tiny model, each served `repeats` times round-robin, and writes a report.
+Each repeat writes config.yaml, requests.jsonl, steps.jsonl and metrics.json into `<point>/rep<i>/`;
+the point's metrics.json holds medians and 95% intervals over its repeats (experiments/FORMATS.md).
+The console prints each point's summary with intervals, the comparisons the intervals support, and
+warnings about the machine's load. Sweeps: `python -m experiments.run -m +sweep=pool_ratio`. A repeat
+whose results are on disk with the same config is skipped; one that crashes leaves error.json.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
-import time
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from experiments.config import ConfigError, RunSpec, points
-from experiments.metrics import format_summary, percentiles, summarize
-from experiments.workload import WorkloadError, WorkloadRequest, build_workload
+from experiments.compare import headline_sentences
+from experiments.config import ConfigError, repeats, yield_to_overrides
+from experiments.machine import load_warning
+from experiments.metrics import format_summary
+from experiments.serve import prepare, serve_all
 
 log = logging.getLogger("pdlab")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
-def label(spec: RunSpec) -> str:
-    c, s = spec.cluster, spec.scheduler
-    if c.mode == "colocated":
-        budget = spec.engines()["colocated"].token_budget
-        return f"colocated {s.policy} x{c.workers}" + (f" (chunk {budget})" if s.policy == "chunked" else "")
-    cond = f", local prefill < {spec.router.conditional_threshold}" if spec.router.conditional_threshold else ""
-    return f"disaggregated {c.prefill_workers}P+{c.decode_workers}D ({spec.transfer.backend}{cond})"
-
-
-def identity(spec: RunSpec, cfg: DictConfig, overrides: str) -> dict:
-    c = spec.cluster
-    return {"label": label(spec), "layout": cfg.get("layout"), "mode": c.mode, "policy": spec.scheduler.policy,
-            "token_budget": spec.engines()["colocated"].token_budget,
-            "prefill_workers": c.prefill_workers if c.mode == "disaggregated" else None,
-            "decode_workers": c.decode_workers if c.mode == "disaggregated" else None,
-            "workers": c.workers if c.mode == "colocated" else None, "num_gpus": c.num_workers,
-            "transfer": spec.transfer.backend if c.mode == "disaggregated" else None,
-            "rate": spec.workload.rate, "workload": spec.workload.name,
-            "model": spec.model.checkpoint or spec.model.model, "device": spec.model.device, "overrides": overrides}
-
-
-# -- Ray and the cluster --------------------------------------------------------------------------
-def ensure_ray(spec: RunSpec) -> None:
-    """An embedded Ray declaring enough GPUs for this point (restarted if an earlier point's is too small)."""
-    import ray
-    import torch
-    from cluster.ray_cluster import start_ray, stop_ray
-
-    cluster = spec.cluster
-    if cluster.address is None:
-        gpus = cluster.num_gpus if cluster.num_gpus is not None else (torch.cuda.device_count() or spec.gpus)
-        cluster = dataclasses.replace(cluster, num_gpus=gpus)
-        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) < gpus:
-            stop_ray()
-    start_ray(cluster)
-
-
-def drive(router, requests: list[WorkloadRequest], desc: str) -> float:
-    """Submit each request at its arrival time (open loop); wait for all. Returns the start time."""
-    from tqdm import tqdm
-    from workers.request import SamplingParams
-
-    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=None, mininterval=0.5, leave=False)
-    start = time.time()
-
-    def tick():
-        p = router.progress()
-        elapsed = max(time.time() - start, 1e-9)
-        bar.n = p["ok"] + p["failed"]
-        bar.set_postfix(ok=p["ok"], failed=p["failed"], req_s=f"{bar.n / elapsed:.1f}",
-                        tok_s=f"{p['tokens'] / elapsed:.0f}", refresh=False)
-        bar.refresh()
-
-    for req in requests:
-        while (delay := start + req.arrival_s - time.time()) > 0:
-            time.sleep(min(delay, 0.25))
-            tick()
-        router.submit(req.id, req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True))
-    while not router.wait(timeout_s=0.25):
-        tick()
-    tick()
-    bar.close()
-    return start
-
-
-def request_row(rec, t0: float) -> dict:
-    n, itl = len(rec.output_ids), rec.itl_s
-    ttft, e2e = rec.ttft_s, rec.e2e_s
-    itl_ms = None
-    if itl:
-        q = percentiles([1e3 * x for x in itl])
-        itl_ms = {"mean": q["mean"], "p50": q["p50"], "p99": q["p99"], "max": 1e3 * max(itl)}
-    return {
-        "id": rec.id, "prompt_len": rec.prompt_len, "output_len": n, "output_ids": rec.output_ids,
-        "max_tokens": rec.max_tokens, "arrival_s": rec.arrival_s - t0,
-        "end_s": None if rec.end_time is None else rec.end_time - t0,
-        "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
-        "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
-        "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
-        "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
-        "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
-        "note": rec.note,
-    }
-
-
-def unexpected_failures(records) -> dict | None:
-    """Requests that failed for a reason other than an injected fault: how many, how many distinct
-    reasons, and the three commonest."""
-    bad = Counter(r.reason for r in records if r.status == "failed" and not r.injected_fault)
-    if not bad:
-        return None
-    return {"count": sum(bad.values()), "num_reasons": len(bad), "reasons": dict(bad.most_common(3))}
-
-
-def failure_warning(metrics: dict) -> str | None:
-    """The line a run prints under its summary when requests failed for reasons of their own."""
-    u = metrics.get("unexpected_failures")
-    if not u:
-        return None
-    reason, n = next(iter(u["reasons"].items()))
-    others = f" (+{u['num_reasons'] - 1} other reasons)" if u["num_reasons"] > 1 else ""
-    return (f"WARNING: {u['count']} of {metrics['num_submitted']} requests failed for reasons other than "
-            f"injected faults; commonest ({n}): {reason}{others}. See requests.jsonl.")
-
-
-def write_jsonl(path: Path, rows) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-# -- one point ------------------------------------------------------------------------------------
-def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident: dict) -> dict:
-    from cluster.pool import WorkerPool
-    from router.router import Router
-
-    ensure_ray(spec)
-    pool = WorkerPool(spec.cluster, spec.model, spec.engines(), spec.transfer).start()
-    info = pool.workers[0].info
-    ident["device"], ident["dtype"] = info["gpu"] or info["device"], info["dtype"]
-    try:
-        router = Router(pool, spec.router, spec.transfer, spec.fault).start()
-        t0 = drive(router, requests, ident["label"])
-        router.close()
-        traces = pool.traces()
-    finally:
-        pool.shutdown()
-    rows = [request_row(rec, t0) for rec in router.records.values()]
-    write_jsonl(out / "requests.jsonl", rows)
-    write_jsonl(out / "steps.jsonl", ({"worker": worker, **{k: v for k, v in s.items() if k not in ("start", "end")},
-                                       "start_s": s["start"] - t0, "end_s": s["end"] - t0}
-                                      for worker, steps in traces.items() for s in steps))
-    metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
-    metrics["point"] = ident
-    if router.transport_errors:
-        metrics["transport_errors"] = router.transport_errors[:20]
-    if unexpected := unexpected_failures(router.records.values()):
-        metrics["unexpected_failures"] = unexpected
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
-
-
 def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
-    """Validate every point (and build its workload) before any worker starts, then serve each."""
-    prepared = []
-    for sub, pcfg, spec in points(cfg):
-        try:
-            requests = build_workload(spec.workload, spec.vocab_size, spec.max_model_len, spec.seed)
-        except (WorkloadError, ValueError) as e:
-            raise ConfigError(f"workload: {str(e).splitlines()[0]}") from None
-        out = run_dir / sub if sub else run_dir
-        prepared.append((out, pcfg, spec, requests, identity(spec, pcfg, ",".join(filter(None, [overrides, sub])))))
-    results = []
-    for out, pcfg, spec, requests, ident in prepared:
-        out.mkdir(parents=True, exist_ok=True)
-        config_text = OmegaConf.to_yaml(pcfg, resolve=True)
-        if (out / "metrics.json").exists() and (out / "config.yaml").exists() \
-                and (out / "config.yaml").read_text() == config_text:
-            print(f"{ident['label']}: results already in {out}, skipped")
-            results.append(json.loads((out / "metrics.json").read_text()))
-            continue
-        (out / "config.yaml").write_text(config_text)
-        (out / "error.json").unlink(missing_ok=True)
-        try:
-            metrics = serve_point(spec, requests, out, ident)
-        except Exception as e:   # a crashed point is recorded and the others go on
-            log.error("%s failed: %s", ident["label"], e)
-            (out / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
-                                                        "traceback": traceback.format_exc(), "point": ident}, indent=2))
-            results.append({"point": ident, "error": f"{type(e).__name__}: {e}"})
-            continue
-        print(format_summary(metrics, title=ident["label"]))
-        if warning := failure_warning(metrics):
-            print(warning)
-        results.append(metrics)
-    return results
+    """Validate every point (and build its workload) before any worker starts, then serve them all."""
+    return serve_all(prepare(cfg, run_dir, overrides), repeats(cfg))
+
+
+def warnings(results: list[dict]) -> list[str]:
+    """The machine's load and the layouts' core sharing, once per distinct line."""
+    lines = []
+    for r in results:
+        machine = r.get("machine") or {}
+        label = r["point"].get("label", "?")
+        if (text := load_warning(machine)) is not None:
+            lines.append(f"{label}: {text}")
+        shared = {m.get("shared_cores") for m in machine.get("per_repeat", []) if m.get("shared_cores")}
+        lines += [f"{label}: {s}" for s in sorted(shared)]
+        lines += [f"{label}: {w}" for w in r.get("failure_warnings", [])]
+    return list(dict.fromkeys(lines))
+
+
+def console(results: list[dict]) -> None:
+    ok = [r for r in results if "error" not in r]
+    for r in ok:
+        print(format_summary(r, title=r["point"]["label"]))
+    for r in results:
+        if "error" in r:
+            print(f"{r['point'].get('label', '?')}: failed: {r['error']}")
+    if len(ok) >= 2:
+        print(f"{' Comparison (differences stated only where 95% intervals separate) ':=^50}")
+        for line in headline_sentences([(r["point"]["label"], r) for r in ok]):
+            print(f"- {line}")
+    for line in warnings(results):
+        print(f"warning: {line}")
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
@@ -216,6 +71,7 @@ def main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     logging.getLogger("pdlab").setLevel(logging.INFO)
     try:
+        cfg = yield_to_overrides(cfg, list(hc.overrides.task))
         results = run_points(cfg, run_dir, hc.job.override_dirname)
     except ConfigError as e:
         if not multirun:
@@ -225,20 +81,41 @@ def main(cfg: DictConfig) -> None:
                                                         "point": {"label": hc.job.override_dirname}}, indent=2))
         print(f"config error: {e}", file=sys.stderr)
         return
+    console(results)
     if cfg.get("report") and not multirun:
         from experiments.report import build_report
         build_report(run_dir)
         print(f"report: {run_dir / 'report.md'}")
     failed = [r for r in results if "error" in r]
-    summary = {"run_dir": str(run_dir), "points": [{"label": r["point"]["label"], "error": r.get("error"),
-                                                     **{k: r.get(k) for k in ("num_completed", "num_failed", "goodput",
-                                                                              "slo_attainment")},
-                                                     "itl_ms_p99": (r.get("itl_ms") or {}).get("p99"),
-                                                     "ttft_ms_p99": (r.get("ttft_ms") or {}).get("p99")}
-                                                    for r in results]}
+    summary = {"run_dir": str(run_dir), "points": [json_point(r) for r in results]}
     print(json.dumps(summary))
     if failed and not multirun:
         sys.exit(1)
+
+
+def json_point(r: dict) -> dict:
+    """A point in the final JSON line: its median headline numbers with their intervals."""
+    ci = r.get("ci") or {}
+    out = {"label": r["point"].get("label"), "error": r.get("error"),
+           "repeats": (r.get("repeats") or {}).get("num_ok"),
+           **{k: r.get(k) for k in ("num_completed", "num_failed", "goodput", "goodput_per_gpu", "slo_attainment")}}
+    for key in ("itl_ms.p99", "ttft_ms.p50", "ttft_ms.p99"):
+        section, stat = key.split(".")
+        out[f"{section}_{stat}"] = (r.get(section) or {}).get(stat)
+        out[f"{section}_{stat}_ci"] = ci.get(key)
+    out["step_ratio"] = (r.get("step_ratio") or {}).get("ratio")
+    return out
+
+
+def hydra_problem(e: Exception) -> str:
+    """A Hydra error as one line; a missing group option lists the valid ones."""
+    from hydra.errors import MissingConfigException
+
+    line = str(e).strip().splitlines()[0]
+    if isinstance(e, MissingConfigException) and e.options:
+        group = (e.missing_cfg_file or "").rsplit("/", 1)[0]
+        line += f"; {group} can be one of: " + ", ".join(e.options)
+    return line
 
 
 def precheck(argv: list[str]) -> str | None:
@@ -260,7 +137,7 @@ def precheck(argv: list[str]) -> str | None:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
             compose("config", overrides=firsts)
     except Exception as e:
-        return str(e).strip().splitlines()[0]
+        return hydra_problem(e)
     return None
 
 

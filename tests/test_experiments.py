@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import ConfigError, points
+from experiments.report import build_report
 from experiments.run import precheck
 from tests.conftest import ROOT
 
@@ -121,67 +122,71 @@ def test_bad_configs_name_the_key(overrides, message):
 def test_trace_with_missing_fields_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_s": 0.0, "prompt_len": 5, "output_len": 3}\n{"arrival_s": 1.0, "prompt_len": 5}\n')
-    proc = run_cli("workload=trace", f"workload.trace={bad}")
+    proc = run_cli(tmp_path, "workload=trace", f"workload.trace={bad}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"config error: workload: {bad} line 2: missing field 'output_len'"]
     assert "workers up" not in proc.stdout + proc.stderr
 
 
-def test_hydra_level_errors_are_one_line():
+def test_hydra_level_errors_are_one_line(tmp_path):
     assert "cluster.foo" in precheck(["cluster.foo=1"])
     assert "model/llama-9" in precheck(["model=llama-9"])
     assert precheck(["workload.rate=2,4", "-m", "+sweep=rate"]) is None
-    proc = run_cli("cluster.foo=1")
+    proc = run_cli(tmp_path, "cluster.foo=1")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "cluster.foo" in proc.stderr
+    proc = run_cli(tmp_path, "cluster.mode=disagg")          # validated after Hydra composed it: still one line
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["config error: cluster.mode='disagg': choose one of "
+                                                "['colocated', 'disaggregated']"]
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, capture_output=True,
+def run_cli(tmp_path, *args, timeout=600):
+    """experiments.run in a subprocess, writing under tmp_path (never into the checkout)."""
+    where = [f"hydra.sweep.dir={tmp_path / 'multirun'}"] if "-m" in args else [f"hydra.run.dir={tmp_path / 'run'}"]
+    if any(a.startswith("hydra.sweep.dir=") for a in args):
+        where = []
+    return subprocess.run([sys.executable, "-m", "experiments.run", *args, *where], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_sweep_records_crashed_points_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", f"hydra.sweep.dir={sweep}", "compare=null", "layout=colocated-chunked,1p1d",
-            "model.device=cpu,cuda", "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60"]
-    first = run_cli(*args)
+    args = ["-m", f"hydra.sweep.dir={sweep}", "compare=null", "layout=1p1d", "model.device=cpu,cuda", "repeats=2",
+            "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60"]
+    first = run_cli(tmp_path, *args)
     assert first.returncode == 0, first.stderr[-3000:]
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert len(jobs) == 4
-
-    def key(job, name):
-        point = json.loads((job / name).read_text())["point"]
-        return point["layout"], "cuda" if "model.device=cuda" in point["overrides"] else "cpu"
-
-    done = {key(j, "metrics.json"): j for j in jobs if (j / "metrics.json").exists()}
-    crashed = {key(j, "error.json"): j for j in jobs if (j / "error.json").exists()}
-    assert sorted(done) == [("1p1d", "cpu"), ("colocated-chunked", "cpu")]
-    assert sorted(crashed) == [("1p1d", "cuda"), ("colocated-chunked", "cuda")]
-    assert all("CUDA" in (j / "error.json").read_text() for j in crashed.values())
-    for job in done.values():
-        metrics = json.loads((job / "metrics.json").read_text())
-        assert metrics["num_completed"] == 6 and metrics["num_failed"] == 0
-        rows = [json.loads(x) for x in (job / "requests.jsonl").read_text().splitlines()]
+    jobs = {"cuda" if "cuda" in p.name else "cpu": p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    assert sorted(jobs) == ["cpu", "cuda"]
+    done, crashed = jobs["cpu"], jobs["cuda"]
+    metrics = json.loads((done / "metrics.json").read_text())
+    assert metrics["repeats"]["num_ok"] == 2 and metrics["num_completed"] == 6 and metrics["num_failed"] == 0
+    assert metrics["point"]["layout"] == "1p1d" and len(metrics["repeat_values"]["itl_ms.p99"]) == 2
+    lo, hi = metrics["ci"]["ttft_ms.p50"]
+    assert lo <= hi
+    assert set(metrics["machine"]) >= {"cores", "load_1m_end_max", "other_cores_max", "steal_share_max", "overloaded"}
+    for rep in ("rep0", "rep1"):
+        rows = [json.loads(x) for x in (done / rep / "requests.jsonl").read_text().splitlines()]
         assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
-        assert (job / "steps.jsonl").stat().st_size > 0
-    stamps = {j: (j / "metrics.json").stat().st_mtime for j in done.values()}
+        assert (done / rep / "steps.jsonl").stat().st_size > 0
+        assert json.loads((done / rep / "metrics.json").read_text())["ci"]["itl_ms.p99"] is not None
+    assert "CUDA" in (crashed / "error.json").read_text() and not (crashed / "rep1").exists()
+    stamps = {p: p.stat().st_mtime for p in done.rglob("metrics.json")}
 
-    second = run_cli(*args)
+    second = run_cli(tmp_path, *args)
     assert second.returncode == 0
     assert second.stdout.count("skipped") == 2
-    assert {j: (j / "metrics.json").stat().st_mtime for j in done.values()} == stamps, "finished points not re-run"
-    assert all((j / "error.json").exists() for j in crashed.values()), "crashed points are tried again"
+    assert {p: p.stat().st_mtime for p in done.rglob("metrics.json") if p.parent != done} == \
+        {p: t for p, t in stamps.items() if p.parent != done}, "finished repeats not re-run"
+    assert (crashed / "rep0" / "error.json").exists(), "crashed points are tried again"
 
-    report = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
-    assert report.returncode == 0, report.stderr[-2000:]
+    assert build_report(sweep)["num_points"] == 2        # the command itself: tests/test_report.py
     text = (sweep / "report.md").read_text()
     assert "1P+1D" in text and "CUDA" in text
 
 
 def test_requests_failed_for_their_own_reasons_are_flagged_in_the_summary():
-    from experiments.run import failure_warning, unexpected_failures
+    from experiments.serve import failure_warning, unexpected_failures
     from router.records import RequestRecord
 
     def rec(rid, status, reason=None, injected=False):

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from experiments.interference import measure
+import numpy as np
+
+from experiments.interference import inflation, measure, rounds
 from experiments.roofline import Hardware
 from tests.conftest import ROOT
 from workers.weights import build_model
@@ -16,16 +18,43 @@ from workers.weights import build_model
 FIGURE = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w-])")   # not inside names like llama-3-8b
 
 
-def test_interference_step_time_grows_with_the_chunk():
+def test_interference_measures_interleaved_rounds_of_every_chunk():
     model = build_model(model="tiny", seed=0)
     hw = Hardware("test", peak_flops=1e11, mem_bw=1e10, nvlink_bw=0.0, pcie_bw=0.0, net_bw=0.0)
-    pts = measure(model, hw, batches=[4], context=128, chunks=[0, 256, 1024], repeats=3)
-    times = [p.step_ms for p in pts]
-    assert times == sorted(times) and times[-1] > 2 * times[0], times
-    assert [p.chunk for p in pts] == [0, 256, 1024] and pts[0].inflation == 1.0
-    assert pts[-1].inflation == pytest.approx(pts[-1].step_ms / pts[0].step_ms)
+    pts = measure(model, hw, batches=[4], context=64, chunks=[0, 32, 256], repeats=3, max_remeasure=2)
+    assert [p.chunk for p in pts] == [0, 32, 256] and pts[0].inflation == 1.0
+    # every round steps once with each chunk (measure asserts each step carried the B decodes and its chunk)
+    (num_rounds,) = {len(p.samples_ms) for p in pts}
+    assert 3 + max(p.remeasured for p in pts) <= num_rounds <= 3 + 2
+    for p in pts:
+        assert p.step_ms == pytest.approx(float(np.median(p.samples_ms)))
+        assert p.step_ms_min <= p.step_ms <= p.step_ms_max
+    for p in pts[1:]:    # inflation: the median of each round's step over that round's decode-only step
+        paired = [t / b for t, b in zip(p.samples_ms, pts[0].samples_ms)]
+        assert p.inflation == pytest.approx(float(np.median(paired)))
+        assert p.implausible == (p.inflation < 1.0)
+        assert p.prefill_tok_s_ci is None or p.prefill_tok_s_ci[0] <= p.prefill_tok_s <= p.prefill_tok_s_ci[1]
     predicted = [p.predicted_ms for p in pts]
-    assert predicted == sorted(predicted), "the roofline also grows with the chunk"
+    assert predicted == sorted(predicted), "the roofline grows with the chunk"
+    with pytest.raises(ValueError, match="must include 0"):
+        measure(model, hw, batches=[4], context=64, chunks=[32], repeats=1)
+
+
+def test_rounds_interleave_chunks_and_remeasure_implausible_points_up_to_a_bound():
+    seen = []
+
+    def fake(chunk):            # the 64-token chunk always measures faster than decode-only
+        seen.append(chunk)
+        return {0: 10.0, 64: 8.0, 512: 40.0}[chunk]
+    times, extra = rounds(fake, [0, 64, 512], repeats=2, max_remeasure=3)
+    assert seen[:9] == [0, 64, 512, 64, 512, 0, 512, 0, 64]    # warm-up, then the order rotates each round
+    assert len(seen) == 3 * (1 + 2 + 3)                        # three extra rounds, then it stops
+    assert extra == {0: 0, 64: 3, 512: 0} and len(times[64]) == 5
+    assert inflation(times, 64) == pytest.approx(0.8) and inflation(times, 512) == pytest.approx(4.0)
+    later = iter([8.0, 8.0, 8.0] + [14.0] * 10)               # warm-up and two rounds fast, then plausible
+    times, extra = rounds(lambda c: next(later) if c else 10.0, [0, 64], repeats=2, max_remeasure=3)
+    assert times[64] == [8.0, 8.0, 14.0, 14.0] and extra == {0: 0, 64: 2}   # medians 0.8, 0.8, then 1.1: stop
+    assert inflation(times, 64) == pytest.approx(1.1)
 
 
 def _literal_texts(tree):
@@ -40,8 +69,9 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-def test_no_figure_in_the_lesson_text_is_a_literal():
-    tree = ast.parse((ROOT / "experiments" / "lesson_text.py").read_text())
+@pytest.mark.parametrize("module", ["lesson_text.py", "lesson_when.py"])
+def test_no_figure_in_the_lesson_text_is_a_literal(module):
+    tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
     assert not offenders, offenders
 
@@ -61,19 +91,32 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
         assert FIGURE.search(section), f"section without numbers: {section[:60]}"
     for fig in ("roofline.png", "interference.png", "chunking.png", "decision.png"):
         assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text
-    # the numbers in the text are the run's
-    from experiments.lesson_text import num
+    # the numbers in the text are the run's, comparisons worded from their intervals
+    from experiments import compare, lesson, lesson_text
     base = results["interference"]["points"][0]
-    assert f"decode-only step took {num(base['step_ms'])} ms" in text
+    assert f"decode-only step took {lesson_text.num(base['step_ms'])} ms" in text
     pf = results["chunking"]["refs"]["prefill_first"]
-    assert f"ITL p99 {num(pf['itl_ms']['p99'])} ms" in text
-    cell = results["decision"]["measured"][0]
-    assert all(num(m["goodput_per_gpu"]) in text for m in cell["modes"].values())
-    # the end-to-end points are ordinary run directories
-    runs = sorted((out / "runs").rglob("metrics.json"))
-    assert len(runs) == 2 + 2 + 3          # two chunk sizes, two references, three layouts in one cell
+    assert f"prefill_first {compare.with_ci(compare.estimate('', pf, 'itl_ms.p99'), ' ms')}" in text
+    assert "intervals separate" in text or "no significant" in text
+    # the end-to-end points are ordinary run directories, one repeat each in quick mode
+    points = sorted(p.parent.name for p in (out / "runs").rglob("metrics.json") if not p.parent.name.startswith("rep"))
+    assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
+    assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
+    assert "no cell in this run" in text                   # quick mode measures no decision cell
     h200 = results["roofline"]["hardware"]["h200"]
     assert h200["ridge"] == pytest.approx(989e12 / 4.8e12)
+
+    # the same results with a measured cell and an implausible chunk: the text follows the numbers
+    modes = {"colocated-prefill_first": pf, "colocated-chunked": results["chunking"]["chunked"][0],
+             "1p1d": results["chunking"]["refs"]["disaggregated"]}
+    results["decision"]["measured"] = [{"prompt_len": 512, "output_len": 16, "modes": modes,
+                                        "winner": lesson._winner(modes)}]
+    results["interference"]["points"][1] |= {"inflation": 0.8, "inflation_ci": [0.7, 0.9], "implausible": True,
+                                             "remeasured": 3}
+    again = lesson_text.render(results)
+    assert all(compare.with_ci(compare.estimate("", m, "goodput_per_gpu")) in again for m in modes.values())
+    assert "implausible (mixed step faster than decode-only): noise dominates; re-measured 3 times" in again
+    assert f"Measured here, disaggregation won {int(lesson._winner(modes) == '1p1d')} of 1 cells" in again
 
 
 def test_roofline_command(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import report
+from experiments.report import fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0, "attainment_target": 0.9}
@@ -146,7 +147,7 @@ def test_comparison_report(tmp_path, capsys):
     for png in (f for f in files if f.suffix == ".png"):
         assert_png(png)
     names = {f.name for f in files}
-    assert {"report.md", "summary.csv", "ttft_cdf.png", "tpot_cdf.png", "pool_ratio.png", "ttft_breakdown.png",
+    assert {"report.md", "summary.csv", "ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png", "comparison.png", "ttft_breakdown.png",
             "breakdown.csv", "steps_summary.csv", "timeline_colocated_prefill_first_x2.png",
             "timeline_1P1D_zmq.png"} <= names
     assert not any(n.endswith("rate.png") for n in names)  # one rate only: no rate sweep figures
@@ -192,7 +193,7 @@ def test_rate_sweep_multirun_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
     assert result["num_points"] == 6 and result["num_failed"] == 0 and result["out"] == str(out)
-    for name in ("goodput_vs_rate.png", "attainment_vs_rate.png", "ttft_cdf.png", "pool_ratio.png"):
+    for name in ("goodput_vs_rate.png", "attainment_vs_rate.png", "ttft_cdf.png", "comparison.png"):
         assert_png(out / name)
     assert str(out / "goodput_vs_rate.png") in result["files"]
     md = (out / "report.md").read_text()
@@ -253,3 +254,29 @@ def test_only_failed_points(tmp_path, capsys):
     md = (tmp_path / "run" / "report.md").read_text()
     assert "| 3P1D nccl | a | RuntimeError: KV transfer timed out | ValueError: root cause |" in md
     assert "| b | b | unreadable metrics.json:" in md
+
+
+def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path, capsys):
+    from experiments import aggregate
+    from tests.test_confidence import write_repeat
+    run = tmp_path / "run"
+    for name, mode, ttft in (("fast", "colocated", 40.0), ("slow", "disaggregated", 400.0)):
+        info = {"label": name, "mode": mode, "num_gpus": 2, "rate": 4.0, "workload": "code", "round_robin": 2}
+        for i in range(3):
+            write_repeat(run / name / f"rep{i}", i, ttft + 5 * i, point=info)
+    aggregate.write(run / "fast")            # "slow" was cut short before its aggregate: the report makes it
+    assert report.main([str(run)]) == 0
+    assert not (run / "slow" / "metrics.json").exists(), "the report reads the run, it does not rewrite it"
+    md = (run / "report.md").read_text()
+    assert "Each point was served 3 time(s), interleaved round-robin with the other points of their run" in md
+    fast = aggregate.aggregate(run / "fast")
+    lo, hi = fast["ci"]["ttft_ms.p50"]
+    assert f"| fast | {fmt(fast['itl_ms']['p99'])} [" in md and f"{fmt(fast['ttft_ms']['p50'])} [{fmt(lo)}, {fmt(hi)}]" in md
+    assert "**Serving modes** (2 GPUs, 4 req/s, workload code):" in md
+    assert "TTFT p50 (median [95% CI]): fast " in md and ": fast is lower than slow (95% intervals separate)." in md
+    assert "ITL p99 (median [95% CI]):" in md and "no significant difference between" in md   # equal gaps
+    assert "⚠ fast: machine overloaded: 1-minute load average 3.0 on 2 cores" in md
+    assert "## Serving modes compared (2 GPUs, 4 req/s, workload code)" in md
+    assert_png(run / "comparison.png") and assert_png(run / "itl_cdf.png")
+    assert "every timeline has the same y-scale" in md
+    assert "A mixed step of fast took 3.00x [" in md       # the repeats' step ratios: 2, 3 and 4

@@ -1,0 +1,90 @@
+"""The section of lesson.md on when to disaggregate: the measured cells (a winner only where its goodput
+interval lies above every other's) and the estimated map (experiments/decision.py, a model: its
+counts are facts of the model, marked as estimates). Words only, as in lesson_text.py."""
+from __future__ import annotations
+
+from experiments.lesson_text import CI, cell, name, num
+
+
+def when(r: dict, n: int) -> str:
+    de = r["decision"]
+    est = de["estimated"]
+    lines = [f"## {n}. When to disaggregate", "", "![decision](decision.png)", ""]
+    if de["measured"]:
+        layouts = list(de["measured"][0]["modes"])
+        head = "| prompt | output | " + " | ".join(f"{name(lay)} goodput/GPU" for lay in layouts) + " | winner |"
+        rows = [f"| {c['prompt_len']} | {c['output_len']} | " +
+                " | ".join(cell(c["modes"][lay], "goodput_per_gpu") for lay in layouts) + f" | {name(c['winner'])} |"
+                for c in de["measured"]]
+        lines += [f"**Measured here** ({r['model']}, {de['measured_gpus']} workers per layout, "
+                  f"{num(de['measured_rate'])} requests/s, the lesson's SLO; goodput per GPU as median [{CI} "
+                  "interval]; a winner only where its interval lies above every other's):", "",
+                  head, "|" + "---|" * (len(layouts) + 3), *rows, ""]
+    else:
+        lines += ["**Measured here:** no cell in this run (quick mode measures none).", ""]
+    lines += [
+        f"**Estimated** for {est['model']} on {est['hardware']} with {est['gpus']} GPUs and a "
+        f"{num(est['link_bw'] / 1e9)} GB/s KV link, by `experiments/decision.py`: roofline step times with "
+        "queueing and transfer cost, a first-order model, not a measurement. Its roofline lets a chunk's "
+        "compute hide entirely under a decode step's memory traffic, which flatters chunked prefill.",
+        "",
+    ]
+    for slo_name, s in est["by_slo"].items():
+        lines += [_estimate_paragraph(slo_name, s, est), ""]
+    lines.append(_answer(de))
+    return "\n".join(lines)
+
+
+def _wins(cells: list[dict]) -> dict:
+    wins: dict = {}
+    for c in cells:
+        wins[c["winner"]] = wins.get(c["winner"], 0) + 1
+    return wins
+
+
+def _estimate_paragraph(slo_name: str, s: dict, est: dict) -> str:
+    cells = s["grid"]
+    share = ", ".join(f"{name(k)} {v} of {len(cells)} cells"
+                      for k, v in sorted(_wins(cells).items(), key=lambda kv: -kv[1]))
+    bp, bl = s["by_prompt"], s["by_link"]
+    if bp["crossover_prompt_len"] is None:
+        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][0])} wins at every prompt "
+                  f"length from {bp['prompt_lens'][0]} to {bp['prompt_lens'][-1]} (no crossover)")
+    else:
+        k = bp["prompt_lens"].index(bp["crossover_prompt_len"])
+        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][k - 1])} wins below "
+                  f"{bp['crossover_prompt_len']} prompt tokens and {name(bp['winners'][k])} from there")
+    if bl["crossover_link_bw"] is not None:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins only above "
+                f"{num(bl['crossover_link_bw'] / 1e9)} GB/s: at or below it the KV transfer eats the gain")
+    elif "disaggregated" in bl["winners"]:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins at every link bandwidth tried "
+                f"({num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s)")
+    else:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins at no link bandwidth from "
+                f"{num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s")
+    slo = s["slo"]
+    return (f"- **{slo_name} SLO** (TTFT {num(slo['ttft_ms'])} ms, TPOT {num(slo['tpot_ms'])} ms): {share}; "
+            f"{prompt}; {link}.")
+
+
+def _answer(de: dict) -> str:
+    by = de["estimated"]["by_slo"]
+    counts = {k: sum(c["winner"] == "disaggregated" for c in s["grid"]) for k, s in by.items()}
+    total = {k: len(s["grid"]) for k, s in by.items()}
+    where = "; ".join(f"under the {k} SLO in {counts[k]} of {total[k]} cells" for k in by)
+    most = max(counts, key=counts.get)
+    if len(set(counts.values())) > 1:
+        tpot = by[most]["slo"]["tpot_ms"]
+        tighter = all(tpot <= s["slo"]["tpot_ms"] for s in by.values())
+        why_text = (f" It wins most under the {most} SLO, " +
+                    ("the tightest TPOT target: there a colocated step has the least room for prompt work beside "
+                     "its decodes." if tighter else "which is not the tightest TPOT target."))
+    else:
+        why_text = " The SLOs make no difference to how often it wins."
+    measured = de["measured"]
+    wins = [c for c in measured if c["winner"] not in ("tie", "colocated-prefill_first", "colocated-chunked")]
+    ties = [c for c in measured if c["winner"] == "tie"]
+    here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
+            "significant winner." if measured else " Nothing was measured here in this run.")
+    return f"**Answer.** In the estimate disaggregation wins {where}.{why_text}{here}"
