@@ -67,6 +67,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class EngineOptions:
+    """How each engine runs its model (the `engine` group): attention backend, compilation, graphs."""
+
+    attention: str = "auto"      # auto | cpu | flex | reference (workers/attention.py)
+    compile: bool = False        # torch.compile the model
+    cuda_graphs: bool = True     # GPU: replay decode-only steps from CUDA graphs
+
+    def __post_init__(self):
+        from workers.attention import BACKENDS
+        if self.attention not in ("auto", *BACKENDS):
+            raise ValueError(f"attention={self.attention!r}: choose auto or one of {sorted(BACKENDS)}")
+
+
+@dataclass(frozen=True)
 class SLOConfig:
     ttft_ms: float = 1000.0
     tpot_ms: float = 40.0
@@ -86,6 +100,7 @@ class RunSpec:
     cluster: ClusterConfig
     gpus: int
     scheduler: SchedulerConfig
+    engine: EngineOptions
     transfer: TransferConfig
     router: RouterConfig
     fault: FaultConfig
@@ -96,7 +111,9 @@ class RunSpec:
     vocab_size: int
 
     def engines(self) -> dict[str, EngineConfig]:
-        return {role: self.scheduler.engine(role, self.max_model_len) for role in ("colocated", "prefill", "decode")}
+        e = dataclasses.asdict(self.engine)
+        return {role: self.scheduler.engine(role, self.max_model_len).replace(**e)
+                for role in ("colocated", "prefill", "decode")}
 
 
 def _allows(hint, value) -> bool:
@@ -170,7 +187,7 @@ def _model(raw: dict, seed: int) -> tuple[ModelSpec, int, int]:
 
 def parse(cfg: DictConfig) -> RunSpec:
     """The composed Hydra config -> a validated RunSpec (raises ConfigError)."""
-    known = {"model", "cluster", "scheduler", "transfer", "router", "workload", "slo", "fault",
+    known = {"model", "cluster", "scheduler", "engine", "transfer", "router", "workload", "slo", "fault",
              "seed", "layout", "compare", "report", "repeats"}
     unknown = sorted(set(cfg.keys()) - known - {"hydra"})
     if unknown:
@@ -203,6 +220,7 @@ def parse(cfg: DictConfig) -> RunSpec:
         workload_raw["length_scale"] = 0.25 if tiny else 1.0
     return RunSpec(
         model=model, cluster=cluster, gpus=gpus, scheduler=scheduler,
+        engine=section(EngineOptions, _plain(cfg, "engine"), "engine"),
         transfer=section(TransferConfig, _plain(cfg, "transfer"), "transfer"),
         router=section(RouterConfig, _plain(cfg, "router"), "router"),
         fault=section(FaultConfig, _plain(cfg, "fault"), "fault"),

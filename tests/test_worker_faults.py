@@ -95,7 +95,7 @@ def test_loop_survives_requests_that_raise_in_admission_sampling_and_the_forward
     # a forward pass that fails as a whole: the requests of that step fail with the cause, no others
     real = w.engine.runner.execute
 
-    def execute(sched):
+    def execute(sched, after_layer=None):
         if any(c.request.id == "bomb" for c in sched.chunks):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return real(sched)
