@@ -10,8 +10,8 @@ import torch
 
 import numpy as np
 
-from experiments.interference import inflation, measure, rounds
-from experiments.roofline import Hardware
+from experiments.analysis.interference import inflation, measure, rounds
+from experiments.analysis.roofline import Hardware
 from tests.conftest import ROOT
 from workers.weights import build_model
 
@@ -69,7 +69,7 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-@pytest.mark.parametrize("module", ["lesson_text.py", "lesson_when.py"])
+@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py"])
 def test_no_figure_in_the_lesson_text_is_a_literal(module):
     tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
@@ -92,7 +92,8 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     for fig in ("roofline.png", "interference.png", "chunking.png", "decision.png"):
         assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text
     # the numbers in the text are the run's, comparisons worded from their intervals
-    from experiments import compare, lesson, lesson_text
+    from experiments.lesson import lesson, text as lesson_text
+    from experiments.serving import compare
     base = results["interference"]["points"][0]
     assert f"decode-only step took {lesson_text.num(base['step_ms'])} ms" in text
     pf = results["chunking"]["refs"]["prefill_first"]

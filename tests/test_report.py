@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import report
-from experiments.report import fmt
+from experiments.report import report
+from experiments.report.report import fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0, "attainment_target": 0.9}
@@ -257,7 +257,7 @@ def test_only_failed_points(tmp_path, capsys):
 
 
 def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path, capsys):
-    from experiments import aggregate
+    from experiments.serving import aggregate
     from tests.test_confidence import write_repeat
     run = tmp_path / "run"
     for name, mode, ttft in (("fast", "colocated", 40.0), ("slow", "disaggregated", 400.0)):

@@ -1,14 +1,15 @@
 """The report's figure sections: latency distributions, rate sweeps, the comparison chart, the time to the
 first decode step, and the engine-step timelines with the interference table. Each takes the Report
-being written and the points that completed (experiments/report.py calls them in order)."""
+being written and the points that completed (experiments/report/report.py calls them in order)."""
 from __future__ import annotations
 
 import re
 
-from experiments import compare, plots
-from experiments.report import MAX_TIMELINES, Report, fmt, group_name, groups, short, table, with_ci
-from experiments.report_points import Point, what_varies
-from experiments.steps import num, step_ms, step_stats
+from experiments.report import plots
+from experiments.serving import compare
+from experiments.report.report import MAX_TIMELINES, Report, fmt, group_name, groups, short, table, with_ci
+from experiments.report.points import Point, what_varies
+from experiments.serving.steps import num, step_ms, step_stats
 
 BREAKDOWN = (("point", "label", None), ("requests", "num_requests", None), ("queue ms", "queue_ms", 1),
              ("prefill ms", "prefill_ms", 1), ("transfer ms", "transfer_ms", 1),

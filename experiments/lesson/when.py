@@ -1,9 +1,9 @@
 """The section of lesson.md on when to disaggregate: the measured cells (a winner only where its goodput
-interval lies above every other's) and the estimated map (experiments/decision.py, a model: its
-counts are facts of the model, marked as estimates). Words only, as in lesson_text.py."""
+interval lies above every other's) and the estimated map (experiments/analysis/decision.py, a model: its
+counts are facts of the model, marked as estimates). Words only, as in text.py."""
 from __future__ import annotations
 
-from experiments.lesson_text import CI, cell, name, num
+from experiments.lesson.text import CI, cell, name, num
 
 
 def when(r: dict, n: int) -> str:
@@ -24,7 +24,7 @@ def when(r: dict, n: int) -> str:
         lines += ["**Measured here:** no cell in this run (quick mode measures none).", ""]
     lines += [
         f"**Estimated** for {est['model']} on {est['hardware']} with {est['gpus']} GPUs and a "
-        f"{num(est['link_bw'] / 1e9)} GB/s KV link, by `experiments/decision.py`: roofline step times with "
+        f"{num(est['link_bw'] / 1e9)} GB/s KV link, by `experiments/analysis/decision.py`: roofline step times with "
         "queueing and transfer cost, a first-order model, not a measurement. Its roofline lets a chunk's "
         "compute hide entirely under a decode step's memory traffic, which flatters chunked prefill.",
         "",

@@ -8,7 +8,7 @@ from hydra.experimental.callback import Callback
 
 class ReportWhenSweepEnds(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        from experiments.report import build_report
+        from experiments.report.report import build_report
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.exists():

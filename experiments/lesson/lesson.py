@@ -21,15 +21,16 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import decision, lesson_plots, lesson_text
+from experiments.analysis import decision
+from experiments.lesson import plots as lesson_plots, text as lesson_text
 from experiments.config import ConfigError
-from experiments.interference import gap_summary, measure
-from experiments.machine import snapshot, usage
-from experiments.roofline import HARDWARE
-from experiments.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
-from experiments.compare import Estimate, best
+from experiments.analysis.interference import gap_summary, measure
+from experiments.serving.machine import snapshot, usage
+from experiments.analysis.roofline import HARDWARE
+from experiments.analysis.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
+from experiments.serving.compare import Estimate, best
 from experiments.run import CONF_DIR
-from experiments.serve import prepare, serve_all
+from experiments.serving.serve import prepare, serve_all
 from workers.config import preset
 from workers.weights import build_model, parse_device, resolve_dtype
 

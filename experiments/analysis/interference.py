@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from experiments.roofline import Hardware, mixed_cost
-from experiments.stats import median_ci
+from experiments.analysis.roofline import Hardware, mixed_cost
+from experiments.serving.stats import median_ci
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.model import Llama

@@ -1,10 +1,10 @@
 """Rebuild a run's report from its files alone: `python -m experiments.report DIR [--out DIR]`.
 
 DIR is one point, a directory of points, or a Hydra multirun (points nested at any depth): see
-experiments/report_points.py. Writes report.md, PNG figures (experiments/plots.py) and CSV tables into
+experiments/report/points.py. Writes report.md, PNG figures (experiments/report/plots.py) and CSV tables into
 DIR (or --out), prints what it wrote and ends with one JSON line: {"out", "files", "num_points",
 "num_failed"}. `build_report(DIR)` does the same from Python (experiments.run calls it at the end).
-Every comparison in report.md is worded by experiments/compare.py from medians and 95% intervals.
+Every comparison in report.md is worded by experiments/serving/compare.py from medians and 95% intervals.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import compare
-from experiments.machine import load_warning
-from experiments.report_points import Point, find_points, label_points, natural, short, swept, what_varies  # noqa: F401
-from experiments.steps import num
+from experiments.serving import compare
+from experiments.serving.machine import load_warning
+from experiments.report.points import Point, find_points, label_points, natural, short, swept, what_varies  # noqa: F401
+from experiments.serving.steps import num
 
 MAX_TIMELINES = 8
 # Table columns: (header, row key, digits, scale); digits None prints the value as it is.
@@ -204,7 +204,7 @@ def build_report(directory: Path | str, out: Path | str | None = None) -> dict:
 
     Returns {"out", "files", "num_points", "num_failed"}; writes nothing when there is no point.
     """
-    from experiments import report_sections as sections
+    from experiments.report import sections
 
     directory = Path(directory)
     points = find_points(directory) if directory.is_dir() else []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.roofline import HARDWARE, Cost, Hardware, decode_cost, measured_hardware, mixed_cost, prefill_cost
+from experiments.analysis.roofline import HARDWARE, Cost, Hardware, decode_cost, measured_hardware, mixed_cost, prefill_cost
 from workers.config import ModelConfig, from_hf_config, preset
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -78,7 +78,7 @@ def table(hw: Hardware, pts: list[OperatingPoint]) -> str:
 
 
 def run(cfg: DictConfig, out_dir: Path) -> dict:
-    from experiments.lesson_plots import roofline_plot
+    from experiments.lesson.plots import roofline_plot
 
     mcfg = model_config(cfg.model)
     hw = HardwareSpec(**OmegaConf.to_container(cfg.hardware, resolve=True)).resolve()
@@ -100,7 +100,7 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parent.parent / "conf"),
+    @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[2] / "conf"),
                 config_name="roofline")
     def app(cfg: DictConfig) -> None:
         try:

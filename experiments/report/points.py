@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from experiments.aggregate import aggregate, read_jsonl, repeat_dirs
-from experiments.steps import num
+from experiments.serving.aggregate import aggregate, read_jsonl, repeat_dirs
+from experiments.serving.steps import num
 
 
 def short(x) -> str:

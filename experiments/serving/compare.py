@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from experiments.stats import separated
+from experiments.serving.stats import separated
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Intervals travel with the numbers: a value is (median, (lo, hi) | None) and is drawn with a whisker.
 Also the time to the first decode step, which a figure and a table share. Nothing here reads run files;
-experiments/report_sections.py does and hands over records.
+experiments/report/sections.py does and hands over records.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from experiments.steps import num, step_kind, step_ms  # noqa: E402
+from experiments.serving.steps import num, step_kind, step_ms  # noqa: E402
 
 MARKERS = {"decode": "o", "mixed": "D", "prefill": "s"}
 KIND_NAMES = {"decode": "decode-only", "mixed": "mixed (prefill + decode)", "prefill": "prefill-only"}

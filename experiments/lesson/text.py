@@ -1,12 +1,12 @@
 """lesson.md from the lesson's results. Every figure in the text is formatted from `results`, and every
-comparison is worded by experiments/compare.py from medians and intervals: the templates here hold words
+comparison is worded by experiments/serving/compare.py from medians and intervals: the templates here hold words
 only (tests/test_lesson.py checks that no string literal has a number)."""
 from __future__ import annotations
 
-from experiments import compare
-from experiments.compare import Estimate
-from experiments.machine import SHARED, load_warning
-from experiments.stats import LEVEL
+from experiments.serving import compare
+from experiments.serving.compare import Estimate
+from experiments.serving.machine import SHARED, load_warning
+from experiments.serving.stats import LEVEL
 
 SHORT = {"colocated_prefill_first": "colocated prefill_first", "colocated_chunked": "colocated chunked",
          "disaggregated": "disaggregated", "colocated-prefill_first": "colocated prefill_first",
@@ -243,6 +243,6 @@ def render(results: dict) -> str:
              f"Model measured: {results['model']} ({results['dtype']}) on {results['device']}. Every number "
              "below comes from this run (`lesson.json`); estimates are marked as such, and a difference between "
              f"measurements is stated only where their {CI} intervals separate.", ""]
-    from experiments.lesson_when import when
+    from experiments.lesson.when import when
     sections = [why, measured, chunking, when, caveats]
     return "\n".join(title) + "\n" + "\n\n".join(f(results, i) for i, f in enumerate(sections, 1)) + "\n"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.metrics import _meets_slo, _tpot_s
-from experiments.stats import NUM_BOOT, interval, resample_counts, rng_for, two_level
-from experiments.steps import num, pooled_steps
+from experiments.serving.metrics import _meets_slo, _tpot_s
+from experiments.serving.stats import NUM_BOOT, interval, resample_counts, rng_for, two_level
+from experiments.serving.steps import num, pooled_steps
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 STATS = ("mean", "p50", "p90", "p99")

@@ -5,7 +5,7 @@ rounds: each repeat of a point is a full run into `<point>/rep<i>/` (config.yaml
 steps.jsonl, metrics.json with within-run intervals and the machine's load: experiments/FORMATS.md).
 A repeat whose files are on disk with the same config is skipped; a repeat that crashes leaves
 error.json, its workers and placement group are released, and that point serves no more repeats in
-this run. After the last round each point's metrics.json aggregates its repeats (experiments/aggregate.py).
+this run. After the last round each point's metrics.json aggregates its repeats (experiments/serving/aggregate.py).
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import aggregate
-from experiments.capacity import check_memory
-from experiments.confidence import METHOD_WITHIN, replicates, within_run_ci
+from experiments.serving import aggregate
+from experiments.serving.capacity import check_memory
+from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.config import ConfigError, RunSpec, points
-from experiments.machine import shared_cores, snapshot, usage
-from experiments.metrics import percentiles, summarize
-from experiments.steps import step_ratio
-from experiments.workload import WorkloadError, WorkloadRequest, build_workload
+from experiments.serving.machine import shared_cores, snapshot, usage
+from experiments.serving.metrics import percentiles, summarize
+from experiments.serving.steps import step_ratio
+from experiments.serving.workload import WorkloadError, WorkloadRequest, build_workload
 
 log = logging.getLogger("pdlab")
 

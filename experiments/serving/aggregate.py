@@ -2,7 +2,7 @@
 
 Each repeat directory is a full run of the point (config.yaml, requests.jsonl, steps.jsonl, metrics.json,
 or error.json when it crashed). The point's metrics.json holds the median of every number over the
-repeats that completed, each headline metric's repeat values and 95% interval (experiments/confidence.py),
+repeats that completed, each headline metric's repeat values and 95% interval (experiments/serving/confidence.py),
 the machine's load over all repeats, and which repeats failed. A point none of whose repeats completed
 gets error.json instead. experiments.run writes these after the last round; experiments.report calls
 `aggregate` itself for a point directory that has repeats but no metrics.json (a run cut short).
@@ -13,8 +13,8 @@ import json
 import re
 from pathlib import Path
 
-from experiments.confidence import across_repeats, replicates
-from experiments.machine import combine
+from experiments.serving.confidence import across_repeats, replicates
+from experiments.serving.machine import combine
 
 REPEAT = re.compile(r"^rep(\d+)$")
 

@@ -1,6 +1,6 @@
 """Medians and 95% bootstrap confidence intervals, seeded so that the same data give the same interval.
 
-Three pieces, used by experiments/confidence.py (serving runs) and experiments/interference.py:
+Three pieces, used by experiments/serving/confidence.py (serving runs) and experiments/analysis/interference.py:
 
 - `resample_counts(n, num, rng)`: `num` bootstrap resamples of n units as counts per unit (row b holds
   how often each unit was drawn), so one resample can weight several arrays of the same units alike.
