@@ -142,8 +142,9 @@ class WorkloadConfig:
 class WorkloadRequest:
     id: str
     arrival_s: float       # offset from the start of the workload
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # empty when built with token_ids=False (a simulation needs lengths only)
     max_tokens: int
+    num_prompt_tokens: int = 0   # the prompt's length, given either way
 
 
 def _arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
@@ -163,26 +164,29 @@ def _fit(prompt_len: int, output_len: int, max_model_len: int) -> tuple[int, int
     return max(1, min(prompt_len, max_model_len - output_len)), output_len
 
 
-def build_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, seed: int) -> list[WorkloadRequest]:
-    """The requests of `cfg`, sorted by arrival; same seed, same list."""
+def build_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, seed: int,
+                   token_ids: bool = True) -> list[WorkloadRequest]:
+    """The requests of `cfg`, sorted by arrival; same seed, same list. `token_ids=False` draws the same
+    arrivals and lengths and leaves the prompts' ids out (the token stream is drawn last, per request)."""
     if vocab_size < 1 or max_model_len < 2:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1 and max_model_len={max_model_len} >= 2")
     arrival_rng, prompt_rng, output_rng, token_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
     if cfg.trace is not None:
-        return _replay(cfg, vocab_size, max_model_len, token_rng)
+        return _replay(cfg, vocab_size, max_model_len, token_rng, token_ids)
     arrivals = _arrivals(cfg, arrival_rng)
     prompt_lens = cfg.prompt_len.sample(prompt_rng, cfg.num_requests, cfg.length_scale)
     output_lens = cfg.output_len.sample(output_rng, cfg.num_requests, cfg.length_scale)
     requests = []
     for i in range(cfg.num_requests):
         prompt_len, max_tokens = _fit(int(prompt_lens[i]), int(output_lens[i]), max_model_len)
-        ids = token_rng.integers(0, vocab_size, size=prompt_len).tolist()
-        requests.append(WorkloadRequest(f"r{i}", float(arrivals[i]), ids, max_tokens))
+        ids = token_rng.integers(0, vocab_size, size=prompt_len).tolist() if token_ids else []
+        requests.append(WorkloadRequest(f"r{i}", float(arrivals[i]), ids, max_tokens, prompt_len))
     return requests
 
 
-def _replay(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, token_rng) -> list[WorkloadRequest]:
+def _replay(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, token_rng,
+            token_ids: bool = True) -> list[WorkloadRequest]:
     requests, seen = [], set()
     for i, entry in enumerate(load_trace(cfg.trace)[:cfg.num_requests]):
         where = f"{cfg.trace} line {entry['line']}"
@@ -192,12 +196,15 @@ def _replay(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, token_rng)
         prompt_len = len(ids) if ids is not None else max(1, round(entry["prompt_len"] * cfg.length_scale))
         output_len = max(1, round(entry["output_len"] * cfg.length_scale))
         prompt_len, max_tokens = _fit(prompt_len, output_len, max_model_len)
-        ids = ids[:prompt_len] if ids is not None else token_rng.integers(0, vocab_size, size=prompt_len).tolist()
+        if ids is not None:
+            ids = ids[:prompt_len]
+        else:
+            ids = token_rng.integers(0, vocab_size, size=prompt_len).tolist() if token_ids else []
         rid = entry["id"] if entry["id"] is not None else f"r{i}"
         if rid in seen:
             raise WorkloadError(f"{where}: id {rid!r} is used twice")
         seen.add(rid)
-        requests.append(WorkloadRequest(rid, entry["arrival_s"], ids, max_tokens))
+        requests.append(WorkloadRequest(rid, entry["arrival_s"], ids, max_tokens, prompt_len))
     return requests
 
 
