@@ -1,0 +1,186 @@
+"""The simulator against timelines worked by hand, the real engine's step sequence, and itself (a seed).
+
+Hand-worked cases use a linear step model whose numbers make every step time exact in the test's head:
+a step costs 1 ms plus 0.01 ms per prompt token plus 0.1 ms per decode (unless a case says otherwise).
+"""
+import pytest
+
+from experiments.sim.costs import Costs
+from experiments.sim.engine import SimEngine, sim_request
+from experiments.sim.records import request_row, step_rows
+from experiments.sim.simulator import Arrival, SimConfig, Simulator
+from experiments.sim.stepmodel import LinearStepModel, RooflineStepModel, chunk_features, features
+from experiments.sim.transfer import Links, TransferModel, fit_transfer
+from router.config import FaultConfig
+from workers.config import EngineConfig
+
+MS = 1e-3
+
+
+def costs(coef=(1.0, 0.1, 0.0, 0.01, 0.0, 0.0), gap=(0.0, 0.0), dispatch=0.0, ret=0.0, link=(0.5, 1e9),
+          export=(0.0, 0.0), import_=(0.0, 0.0), noise=None):
+    model = LinearStepModel([c * MS for c in coef], [g * MS for g in gap])
+    return Costs(model, {"local": TransferModel(link[0] * MS, link[1])}, dispatch * MS, ret * MS,
+                 (export[0] * MS, export[1]), (import_[0] * MS, import_[1]), noise=noise)
+
+
+def colocated(policy="chunked", budget=64, blocks=200, workers=1, **kw):
+    return SimConfig(["colocated"] * workers, {"colocated": EngineConfig(policy=policy, token_budget=budget)},
+                     {"colocated": blocks}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096, **kw)
+
+
+def ms(times):
+    return [round(float(t) / MS, 6) for t in times]
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_one_request_chunked_by_hand(fast_forward):
+    # dispatch 0.5 ms, host gap 0.1 ms, return 0.25 ms; prompt 100 in chunks of 64 and 36, 4 tokens
+    sim = Simulator(colocated(fast_forward=fast_forward), costs(gap=(0.1, 0.0), dispatch=0.5, ret=0.25))
+    rec, = sim.run([Arrival("a", 0.0, 100, 4)])
+    # step 1 [0.6, 2.24]: 64 tokens (1.64 ms); step 2 [2.34, 3.70]: 36 tokens, first token;
+    # decodes [3.80, 4.90], [5.00, 6.10], [6.20, 7.30] (1.1 ms each); +0.25 ms to the router
+    assert ms(rec.token_times()) == pytest.approx([3.95, 5.15, 6.35, 7.55])
+    row = request_row(rec)
+    assert row["ttft_s"] == pytest.approx(3.95 * MS) and row["tpot_s"] == pytest.approx(1.2 * MS)
+    assert row["queue_s"] == pytest.approx(0.6 * MS) and row["prefill_s"] == pytest.approx(3.1 * MS)
+    assert row["status"] == "ok" and row["finish_reason"] == "length" and row["output_len"] == 4
+    steps = list(step_rows("colocated:0", sim.workers[0].log))
+    assert [(s["num_prefill_tokens"], s["num_decode_seqs"]) for s in steps] == [(64, 0), (36, 0), (0, 1), (0, 1), (0, 1)]
+    assert steps[-1]["num_blocks_used"] == 0 and steps[-1]["num_running"] == 0      # freed at the end
+    assert steps[2]["num_blocks_used"] == 7                                          # 101 tokens of 16
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_two_requests_prefill_first_by_hand(fast_forward):
+    # a step: 1 ms + 0.02 ms per prompt token + 0.1 ms per decode; A (50 tokens) at 0, B (30) at 0.5 ms
+    c = costs(coef=(1.0, 0.1, 0.0, 0.02, 0.0, 0.0))
+    sim = Simulator(colocated(policy="prefill_first", budget=4096, fast_forward=fast_forward), c)
+    a, b = sim.run([Arrival("a", 0.0, 50, 3), Arrival("b", 0.5 * MS, 30, 3)])
+    # [0, 2.0] A's prompt; [2.0, 3.7] B's prompt whole beside A's decode; [3.7, 4.9] both decode (A done);
+    # [4.9, 6.0] B alone
+    assert ms(a.token_times()) == pytest.approx([2.0, 3.7, 4.9])
+    assert ms(b.token_times()) == pytest.approx([3.7, 4.9, 6.0])
+    assert request_row(b)["ttft_s"] == pytest.approx(3.2 * MS)
+    steps = list(step_rows("colocated:0", sim.workers[0].log))
+    assert [(s["num_prefill_tokens"], s["num_decode_seqs"], s["num_running"]) for s in steps] == \
+        [(50, 0, 1), (30, 1, 2), (0, 2, 1), (0, 1, 0)]
+
+
+def test_one_request_disaggregated_by_hand():
+    # prefill 100 tokens [0, 2.0]; export 0.2 ms; KV 100 x 1000 bytes over 0.5 ms + 1 GB/s: [2.2, 2.8];
+    # the decode worker imports (0.3 ms) and decodes [3.1, 4.2], [4.2, 5.3]
+    cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
+                                            "decode": EngineConfig(policy="chunked", token_budget=64)},
+                    {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    c = costs(coef=(1.0, 0.1, 0.0, 0.01, 0.0, 0.0), export=(0.2, 0.0), import_=(0.3, 0.0))
+    sim = Simulator(cfg, c)
+    rec, = sim.run([Arrival("a", 0.0, 100, 3)])
+    assert ms(rec.token_times()) == pytest.approx([2.2, 4.2, 5.3])
+    row = request_row(rec)
+    assert (row["prefill_worker"], row["decode_worker"]) == ("prefill:0", "decode:0")
+    assert row["transfer_bytes"] == 100_000 and row["transfer_s"] == pytest.approx(0.6 * MS)
+    assert row["handoff_s"] == pytest.approx(1.1 * MS)          # first token made at 2.0, decoded from 3.1
+    assert sim.workers[0].engine.blocks.num_used == 0 and sim.workers[1].engine.blocks.num_used == 0
+
+
+def test_link_contention_queues_transfers_first_come_first_served():
+    links, model = Links(), TransferModel(0.0, 1e6)
+    assert links.send(0, 2, 1e6, model, ready=0.0) == (0.0, 1.0)
+    assert links.send(0, 3, 1e6, model, ready=0.5) == (1.0, 2.0)      # the sender's egress is busy until 1.0
+    assert links.send(1, 2, 1e6, model, ready=0.5) == (1.0, 2.0)      # the receiver's ingress, likewise
+    assert links.send(1, 4, 1e6, model, ready=2.5) == (2.5, 3.5)
+    # streaming: may start at the prefill's start; ends no earlier than the last part after the prefill
+    assert Links().send(0, 1, 1e6, model, ready=0.8, stream_start=0.0, parts=4) == (0.0, pytest.approx(1.05))
+
+
+def test_transfer_fit_recovers_latency_and_bandwidth():
+    sizes = [1e6, 4e6, 16e6]
+    model, err = fit_transfer(sizes, [0.002 + b / 2e9 for b in sizes], "zmq")
+    assert model.latency_s == pytest.approx(0.002) and model.bandwidth == pytest.approx(2e9)
+    assert err["max_abs"] < 1e-9
+
+
+def test_decode_runs_give_the_scheduler_s_steps_and_preempt_when_blocks_run_out():
+    """Fast-forwarded and step-by-step simulations agree step for step, preemptions included."""
+    arrivals = [Arrival(f"r{i}", 0.0004 * i, 40 + 13 * i, 30 + 7 * i) for i in range(6)]
+    logs = []
+    for ff in (True, False):
+        sim = Simulator(colocated(budget=32, blocks=24, fast_forward=ff), costs())
+        recs = sim.run(arrivals)
+        assert all(r.status == "ok" for r in recs)
+        logs.append(([{k: round(v, 9) if isinstance(v, float) else v for k, v in s.items()}
+                      for s in step_rows("w", sim.workers[0].log)], [ms(r.token_times()) for r in recs]))
+    assert logs[0] == logs[1]
+    assert sum(s["num_preempted"] for s in logs[0][0]) > 0, "the pool is small enough to preempt"
+
+
+def test_same_seed_same_simulation_other_seed_other_noise():
+    noise = {"decode": [0.5 + i / 100 for i in range(101)], "prefill": [0.8 + 0.004 * i for i in range(101)],
+             "return": [1e-4 * i for i in range(101)]}
+    arrivals = [Arrival(f"r{i}", 0.003 * i, 50 + i, 20) for i in range(20)]
+
+    def rows(seed):
+        sim = Simulator(colocated(workers=2, seed=seed), costs(noise=noise))
+        return [request_row(r) for r in sim.run(arrivals)]
+    assert rows(3) == rows(3)
+    assert rows(3) != rows(4)
+    assert all(min(r["itl_s"]) >= 0 for r in rows(3))             # a worker's steps reach the router in order
+
+
+def test_killed_worker_requests_are_retried_with_their_streamed_tokens():
+    cfg = colocated(workers=2, fault=FaultConfig(kill_worker="colocated:0", kill_after_s=0.01))
+    sim = Simulator(cfg, costs())
+    recs = sim.run([Arrival(f"r{i}", 0.0, 30, 40) for i in range(4)])
+    assert all(r.status == "ok" and r.num_out == 40 for r in recs)
+    moved = [r for r in recs if r.attempts == 2]
+    assert moved and all(r.decode_worker == "colocated:1" and r.injected_fault for r in moved)
+
+
+def test_lost_transfer_is_retried_after_the_timeout():
+    cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
+                                            "decode": EngineConfig(policy="chunked", token_budget=64)},
+                    {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096,
+                    fault=FaultConfig(timeout_transfer_of=1))
+    sim = Simulator(cfg, costs())
+    first, second = sim.run([Arrival("a", 0.0, 20, 5), Arrival("b", 0.0, 20, 5)])
+    assert first.status == "ok" and first.attempts == 2 and first.injected_fault
+    assert request_row(first)["ttft_s"] < 0.01 < request_row(first)["e2e_s"]    # stream resumed after the 10 s timeout
+    assert second.attempts == 1 and not second.injected_fault
+
+
+def test_roofline_step_model_counts_as_the_roofline_module():
+    from experiments.analysis.roofline import HARDWARE, decode_cost, prefill_cost
+    from workers.config import preset
+
+    cfg, hw = preset("llama-3-8b"), HARDWARE["h200"]
+    m = RooflineStepModel(cfg, hw, 2, compute_eff=1.0, mem_eff=1.0, overhead_s=0.0)
+    assert m.time(chunk_features(32, 32 * 1024, [])) == pytest.approx(decode_cost(cfg, 32, 1024).time(hw))
+    assert m.time(chunk_features(0, 0, [(2048, 0, True)])) == pytest.approx(prefill_cost(cfg, 2048).time(hw))
+    run = m.decode_run(8, 8 * 500, 3)
+    assert list(run) == pytest.approx([m.time(chunk_features(8, 8 * (500 + i), [])) for i in range(3)])
+
+
+def test_features_read_the_scheduler_output():
+    from workers.block_manager import BlockManager
+    from workers.scheduler import Scheduler
+
+    s = Scheduler(EngineConfig(policy="chunked", token_budget=40), BlockManager(50, 16))
+    a, b = sim_request("a", 30, 5, 0.0), sim_request("b", 100, 5, 0.0)
+    s.add(a)
+    s.add(b)
+    s.schedule()                                  # a: 30 tokens; b: its first 10
+    a.num_computed_tokens, a.num_out = 30, 1
+    b.num_computed_tokens = 10
+    out = s.schedule()                            # a decodes at context 30; b's next 39 tokens from 10
+    assert features(out) == (1, 30, 39, 1, 10, 39 * 10 + 39 * 40 // 2, 1)
+
+
+def test_engine_run_length_respects_waiting_prompts_and_blocks():
+    e = SimEngine(EngineConfig(policy="chunked", token_budget=8, max_batch=2), 6, LinearStepModel([MS] + [0.0] * 5))
+    e.add(sim_request("a", 16, 100, 0.0))
+    e.finish(e.schedule()[0], 0.0, 0.001)
+    e.finish(e.schedule()[0], 0.001, 0.002)       # the prompt in two chunks of 8: a decode at 16, 99 to go
+    assert e.run_length() == 80                   # 5 free blocks cover 80 more tokens (one held covers 16)
+    e.add(sim_request("b", 4, 2, 0.0))
+    assert e.run_length() == 0                    # b could be admitted: schedule for real
