@@ -31,8 +31,13 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
-    """Validate every point (and build its workload) before any worker starts, then serve them all."""
-    return serve_all(prepare(cfg, run_dir, overrides), repeats(cfg))
+    """Validate every point (and build its workload) before any worker starts, then serve them all;
+    with backend=sim, simulate them (experiments/sim/backend.py; once each: a simulation is deterministic)."""
+    prepared = prepare(cfg, run_dir, overrides)
+    if cfg.get("backend", "real") == "sim":
+        from experiments.sim.backend import simulate_repeat
+        return serve_all(prepared, 1, simulate_repeat)
+    return serve_all(prepared, repeats(cfg))
 
 
 def warnings(results: list[dict]) -> list[str]:

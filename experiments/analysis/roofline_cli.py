@@ -19,11 +19,20 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class HardwareSpec:
+    """The `hardware` group: a datasheet GPU (a100, h100, h200) or the device at hand (measured), with
+    overrides; the simulator also reads the step-time model's settings (experiments/sim/costs.py)."""
+
     name: str = "h200"
     device: str = "auto"
     peak_flops: float | None = None
     mem_bw: float | None = None
     link_bw: float | None = None
+    profile: str | None = None           # simulator: a profile JSON (null: this machine's, for `measured`)
+    compute_eff: float | None = None     # simulator, datasheet GPUs: shares of the peaks a step reaches
+    mem_eff: float | None = None         # (null: experiments/sim/stepmodel.py's documented defaults)
+    step_overhead_ms: float | None = None
+    hbm_gb: float | None = None          # simulator: GPU memory for weights and KV (null: the datasheet's)
+    gpus_per_node: int = 8               # simulator: GPUs sharing a node's NVLink; the network between nodes
 
     def resolve(self) -> Hardware:
         if self.name == "measured":

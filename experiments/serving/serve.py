@@ -73,12 +73,15 @@ class Prepared:
 
 
 def prepare(cfg: DictConfig, run_dir: Path, overrides: str) -> list[Prepared]:
-    """Every point of `cfg`, validated, with its workload built and its memory need checked."""
+    """Every point of `cfg`, validated, with its workload built and its memory need checked (a simulated
+    point, backend=sim, needs no memory here and no token ids)."""
     out = []
     for sub, pcfg, spec in points(cfg):
-        check_memory(spec)
+        real = spec.backend == "real"
+        if real:
+            check_memory(spec)
         try:
-            requests = build_workload(spec.workload, spec.vocab_size, spec.max_model_len, spec.seed)
+            requests = build_workload(spec.workload, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=real)
         except (WorkloadError, ValueError) as e:
             raise ConfigError(f"workload: {str(e).splitlines()[0]}") from None
         c = spec.cluster
@@ -235,8 +238,11 @@ def _one_line(m: dict) -> str:
             f"ms, goodput/GPU {v('goodput_per_gpu', 2)}" + (f", load {load:.1f}" if load is not None else ""))
 
 
-def serve_all(prepared: list[Prepared], repeats: int) -> list[dict]:
-    """Serve every point `repeats` times, round-robin; returns each point's aggregated metrics (or error)."""
+def serve_all(prepared: list[Prepared], repeats: int, serve=None) -> list[dict]:
+    """Serve every point `repeats` times, round-robin; returns each point's aggregated metrics (or error).
+    `serve(p, repeat, out)` serves one repeat (default serve_repeat; experiments/sim/backend.py's
+    simulate_repeat for backend=sim)."""
+    serve = serve or serve_repeat
     round_robin(prepared)
     for p in prepared:
         if p.shared:
@@ -257,7 +263,7 @@ def serve_all(prepared: list[Prepared], repeats: int) -> list[dict]:
             (out / "metrics.json").unlink(missing_ok=True)
             (out / "error.json").unlink(missing_ok=True)
             try:
-                metrics = serve_repeat(p, r, out)
+                metrics = serve(p, r, out)
             except Exception as e:   # a crashed repeat is recorded, its point stops, the others go on
                 log.error("%s failed: %s", name, e)
                 (out / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
