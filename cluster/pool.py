@@ -135,9 +135,9 @@ class WorkerPool:
         return self
 
     def _engine(self, role: str) -> EngineConfig:
-        if isinstance(self.engine_cfg, dict):
-            return self.engine_cfg[role]
-        return self.engine_cfg.replace(role=role)
+        cfg = self.engine_cfg[role] if isinstance(self.engine_cfg, dict) else self.engine_cfg.replace(role=role)
+        # a prefill engine streams its KV out as the transfer config says
+        return cfg.replace(kv_stream=self.transfer.stream) if role == "prefill" else cfg
 
     def _get(self, refs, what: str):
         try:
@@ -174,6 +174,7 @@ class WorkerPool:
                                                 "127.0.0.1" if local else w.info["host"])
                        for w in self.workers], "join the torch.distributed group")
         self._get([w.actor.start_receiving.remote(t.max_frame_bytes) for w in decode], "start receiving")
+        self._get([w.actor.start_streaming.remote(t.stream_layers) for w in prefill], "start streaming")
 
     # -- use ------------------------------------------------------------------------------------
     def by_role(self, role: str) -> list[WorkerHandle]:

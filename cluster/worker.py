@@ -9,13 +9,23 @@ No request takes the worker down: an exception while admitting, stepping, export
 request fails that request (a `failed`, `rejected` or `import_failed` event naming it) and the loop
 goes on. Every exception on a sender or receiver thread ends in an event too.
 
+The KV of a handoff goes out from a sender thread per destination, which reads it from the pool:
+after the prefill (`transfer.stream=off`), or as the prefill computes it: each layer during the
+last chunk's step (`layer`; groups of `stream_layers` layers), or each chunk after its step
+(`chunk`). A prefill worker keeps a request's blocks until its sender has read all of them. A
+decode worker begins the import when the transfer begins (blocks allowing; else it keeps the parts
+until blocks free up, in arrival order), copies each part into the request's blocks as it lands,
+and schedules the request once the end brings its first token.
+
 Events (plain dicts, one per kind):
     step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
     rejected  rid, reason                         the engine refused the request
     failed    rid, reason                         it failed while being served; its blocks are freed
-    sent      rid, dst, bytes, seconds, start     KV handed to the wire and delivered to it
+    sent      rid, dst, bytes, seconds, start     KV handed to the wire, the end included (start: its begin)
     send_failed rid, dst, reason                  (a refusal by the receiver included)
-    imported  rid, bytes, recv_s, time            KV arrived and is in this engine's pool
+    imported  rid, bytes, recv_s, arrived, prefill_end, time   every part is in this engine's pool
+                                                  (arrived: last byte in; prefill_end: the prefill
+                                                  worker's clock when its step made the first token)
     import_failed rid, reason                     (a transfer the receiver dropped included)
     transport_error message                       a wire problem tied to no request
     out_of_service reason                         this worker can receive no more KV
@@ -29,15 +39,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cluster.transfer.base import Arrival, TransferConfig, TransferProblem
-from cluster.transfer.wire import Expect, handoff_for
+from cluster.transfer.base import Begin, Cancel, Delivery, End, Part, TransferConfig, TransferProblem
+from cluster.transfer.wire import Expect, KVHandoff, handoff_for
 from workers.config import EngineConfig
 from workers.engine import Engine
-from workers.events import RequestFailed
+from workers.events import KVReady, KVReset, RequestFailed
 from workers.request import InvalidRequest
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
 
@@ -60,7 +70,57 @@ class Abort:
 
 @dataclass
 class Arrived:
-    arrival: Arrival
+    delivery: Delivery                   # from a receive thread: Begin, Part, End or Cancel
+
+
+@dataclass
+class Dropped:
+    rid: str
+    reason: str                          # a receive thread dropped this transfer
+
+
+@dataclass
+class Exported:
+    rid: str                             # its sender has read every part: the blocks may go
+    failure: str | None = None           # or could not read them: the request fails here
+
+
+# What the loop thread asks of a sender thread, in order per destination.
+@dataclass
+class SendBegin:
+    handoff: KVHandoff
+
+
+@dataclass
+class SendPart:
+    rid: str
+    layers: tuple[int, int]
+    tokens: tuple[int, int]
+    block_ids: list[int]                 # the request's blocks when the part was final
+    ready: object | None = None          # GPU: an event on the compute stream after which it is final
+
+
+@dataclass
+class SendEnd:
+    rid: str
+    first_token: int
+    first_token_time: float
+
+
+@dataclass
+class SendCancel:
+    rid: str
+    reason: str
+
+
+@dataclass
+class Incoming:
+    """A request's KV arriving here: its import begun once blocks allowed, parts waiting till then."""
+
+    handoff: KVHandoff
+    began: bool = False
+    staged: list[Part] = field(default_factory=list)
+    end: End | None = None
 
 
 def _reason(e: Exception) -> str:
@@ -88,10 +148,13 @@ class Worker:
         self._events: list[dict] = []
         self._cond = threading.Condition()
         self._senders: dict[int, queue.Queue] = {}
-        self._arrivals: list[Arrival] = []            # waiting for free blocks (loop thread only)
+        self._incoming: dict[str, Incoming] = {}      # decode role, arrival order (loop thread only)
         self._dst: dict[str, int] = {}                # prefill role: where each request's KV goes
         self._drop: set[str] = set()                  # fault injection: transfers that never happen
         self._aborted: set[str] = set()
+        self._streaming: dict[str, list] = {}         # prefill role: begun transfers -> layers not yet sent
+        self._cancelled: set[str] = set()             # aborted while its sender may still be busy with it
+        self.stream_layers = 1
         self._alive = True
         self._loop = threading.Thread(target=self._run, name=f"engine-{rank}", daemon=True)
         self._loop.start()
@@ -126,7 +189,13 @@ class Worker:
 
     def start_receiving(self, max_frame_bytes: int) -> None:
         expect = Expect.for_engine(self.engine, max_frame_bytes)
-        self.transport.start_receiving(expect, lambda a: self._inbox.put(Arrived(a)), self._on_transfer_problem)
+        self.transport.start_receiving(expect, lambda d: self._inbox.put(Arrived(d)), self._on_transfer_problem)
+
+    def start_streaming(self, stream_layers: int = 1) -> None:
+        """Prefill role: let the engine hand over KV as it is computed (its config's kv_stream)."""
+        self.stream_layers = stream_layers
+        if self.engine.cfg.kv_stream != "off":
+            self.engine.kv_listener = self._on_kv
 
     def submit(self, rid: str, prompt_ids: list[int], params: dict, dst: int | None = None,
                drop_transfer: bool = False, whole: bool = False) -> None:
@@ -155,15 +224,15 @@ class Worker:
         """From a receive thread: tie the problem to its request when known, else to this worker."""
         if p.fatal:
             self._emit({"kind": "out_of_service", "reason": p.reason})
-        elif p.request_id is not None:
-            self._emit({"kind": "import_failed", "rid": p.request_id, "reason": p.reason})
+        elif p.request_id is not None:    # the loop thread ends its import (if begun) and says so
+            self._inbox.put(Dropped(p.request_id, p.reason))
         else:
             self._emit({"kind": "transport_error", "message": p.reason})
 
     def _run(self) -> None:
         try:
             while self._alive:
-                idle = not (self.engine.has_work() or self._arrivals)
+                idle = not (self.engine.has_work() or any(not i.began for i in self._incoming.values()))
                 try:
                     item = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
                 except queue.Empty:
@@ -174,7 +243,7 @@ class Worker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                self._import_arrivals()
+                self._admit_incoming()
                 if self.engine.has_work():
                     self._step()
         except Exception:
@@ -196,46 +265,114 @@ class Worker:
         elif isinstance(item, Abort):
             rid = item.rid
             self._aborted.add(rid)
+            self._cancel_send(rid, "aborted")
             self.engine.abort(rid)
-            for a in self._arrivals:
-                if a.handoff.request_id == rid:
-                    a.release()
-            self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
+            self._end_incoming(rid)
         elif isinstance(item, Arrived):
-            a, h = item.arrival, item.arrival.handoff
-            if h.request_id in self._aborted:
-                a.release()
+            self._receive(item.delivery)
+        elif isinstance(item, Dropped):
+            if self._end_incoming(item.rid):
+                self._emit({"kind": "import_failed", "rid": item.rid, "reason": item.reason})
+        elif isinstance(item, Exported):
+            req = self.engine.requests.get(item.rid)
+            if item.failure is not None:
+                if req is not None:
+                    self.engine.abort(item.rid, item.failure)
+                self._emit({"kind": "failed", "rid": item.rid, "reason": item.failure})
+            elif req is not None and req.status.value == "handoff":
+                self.engine.release(item.rid)
+
+    # -- receiving KV (decode role) ---------------------------------------------------------------
+    def _receive(self, d: Delivery) -> None:
+        rid = d.handoff.request_id if isinstance(d, Begin) else d.request_id
+        inc = self._incoming.get(rid)
+        if isinstance(d, Begin):
+            if rid in self._aborted:
                 return
             try:   # refused at once if it could never be imported here: waiting would block those behind it
-                self.engine.validate(h.request_id, h.prompt_ids, h.params)
+                self.engine.validate(rid, d.handoff.prompt_ids, d.handoff.params)
             except Exception as e:
-                a.release()
-                self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
+                self._emit({"kind": "import_failed", "rid": rid, "reason": _reason(e)})
                 return
-            self._arrivals.append(a)
-
-    def _import_arrivals(self) -> None:
-        keep = []
-        for a in self._arrivals:
-            h = a.handoff
-            if not keep and self.engine.can_import(len(h.prompt_ids)):   # in arrival order
-                try:
-                    self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.params, a.parts)
-                    self._emit({"kind": "imported", "rid": h.request_id, "bytes": a.nbytes,
-                                "recv_s": a.recv_s, "arrived": a.arrived, "time": time.time()})
-                except Exception as e:   # refused, or failed while copying in: blocks are freed either way
-                    self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
-                finally:
-                    a.release()                   # imported (copied into the pool) or refused: done with it
+            self._incoming[rid] = Incoming(d.handoff)
+        elif isinstance(d, Part):
+            if inc is None:                     # refused, aborted or dropped: its parts just go
+                d.release()
+            elif inc.began:
+                self._import_part(rid, d)
             else:
-                keep.append(a)
-        self._arrivals = keep
+                inc.staged.append(d)
+        elif isinstance(d, End):
+            if inc is not None:
+                inc.end = d
+                if inc.began:
+                    self._finish_import(rid)
+        elif isinstance(d, Cancel):
+            self._end_incoming(rid)             # the sender gave up; it will retry or has told the router
 
+    def _admit_incoming(self) -> None:
+        """Begin imports in arrival order while blocks allow; a waiting one keeps its parts."""
+        for rid, inc in list(self._incoming.items()):
+            if inc.began:
+                continue
+            if not self.engine.can_import(len(inc.handoff.prompt_ids)):
+                return                           # first come, first served: no overtaking
+            h = inc.handoff
+            try:
+                self.engine.begin_import(rid, h.prompt_ids, h.params)
+            except Exception as e:
+                self._end_incoming(rid)
+                self._emit({"kind": "import_failed", "rid": rid, "reason": _reason(e)})
+                continue
+            inc.began = True
+            staged, inc.staged = inc.staged, []
+            for part in staged:
+                if not self._import_part(rid, part):
+                    for rest in staged:
+                        rest.release()
+                    break
+            if rid in self._incoming and inc.end is not None:
+                self._finish_import(rid)
+
+    def _import_part(self, rid: str, part: Part) -> bool:
+        try:
+            self.engine.import_kv(rid, part.first_layer, part.kv, part.start)
+            return True
+        except Exception as e:   # refused, or failed while copying in: its blocks are freed
+            self._end_incoming(rid)
+            self._emit({"kind": "import_failed", "rid": rid, "reason": _reason(e)})
+            return False
+        finally:
+            part.release()                        # copied into the pool, or refused: done with it
+
+    def _finish_import(self, rid: str) -> None:
+        end = self._incoming.pop(rid).end
+        try:
+            self.engine.finish_import(rid, end.first_token)
+        except Exception as e:
+            self.engine.abort(rid, "import failed")
+            self._emit({"kind": "import_failed", "rid": rid, "reason": _reason(e)})
+            return
+        self._emit({"kind": "imported", "rid": rid, "bytes": end.nbytes, "recv_s": end.recv_s,
+                    "arrived": end.arrived, "prefill_end": end.first_token_time, "time": time.time()})
+
+    def _end_incoming(self, rid: str) -> bool:
+        """Forget a transfer here: its import (if begun) aborted, its waiting parts released."""
+        inc = self._incoming.pop(rid, None)
+        if inc is None:
+            return False
+        for part in inc.staged:
+            part.release()
+        if inc.began:
+            self.engine.abort(rid, "transfer ended")
+        return True
+
+    # -- the step, and sending KV (prefill role) --------------------------------------------------
     def _step(self) -> None:
         events = self.engine.step()
         if not events:
             return
-        first_scheduled, tokens, handoffs, failed = {}, [], [], []
+        first_scheduled, tokens, failed = {}, [], []
         for ev in events:
             if isinstance(ev, RequestFailed):
                 failed.append(ev)
@@ -244,31 +381,74 @@ class Worker:
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
             if ev.finish_reason == "handoff":
-                handoffs.append(ev)
-        for ev in handoffs:          # start the KV on its way before telling the router
-            try:
-                self._hand_off(ev.request_id, ev.time)
-            except Exception as e:   # export or header failed: this request alone ends here
-                failed.append(self.engine.fail(ev.request_id, f"KV export failed: {_reason(e)}"))
+                try:          # start the KV on its way (or finish streaming it) before telling the router
+                    self._hand_off(ev.request_id, ev.token, ev.time)
+                except Exception as e:   # the header could not be made: this request alone ends here
+                    failed.append(self.engine.fail(ev.request_id, f"KV export failed: {_reason(e)}"))
+            elif ev.finish_reason is not None:
+                self._cancel_send(ev.request_id, "finished on the prefill worker")
         if tokens:
             self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
         for ev in failed:
+            self._cancel_send(ev.request_id, f"failed on the prefill worker: {ev.reason}")
             self._dst.pop(ev.request_id, None)
             self._emit({"kind": "failed", "rid": ev.request_id, "reason": ev.reason})
 
-    def _hand_off(self, rid: str, first_token_time: float) -> None:
+    def _on_kv(self, ev: KVReady | KVReset) -> None:
+        """The engine's listener, in the loop thread during a step: queue each final part of a
+        streaming request's KV for its sender (which reads it from the pool)."""
+        rid = ev.request_id
+        dst = self._dst.get(rid)
+        if dst is None or rid in self._drop:
+            return
+        if isinstance(ev, KVReset):
+            if self._streaming.pop(rid, None) is not None:
+                self._sender(dst).put(SendCancel(rid, "preempted on the prefill worker; its KV streams again"))
+            return
+        req = self.engine.requests[rid]
+        if rid not in self._streaming:
+            self._streaming[rid] = []
+            self._sender(dst).put(SendBegin(handoff_for(req, self.engine.mcfg, self.engine.dtype)))
+        held = self._streaming[rid]                # a run of layers of one token range, not yet queued
+        if held and (held[1] != ev.first_layer or held[2:] != [ev.start, ev.end]):
+            self._queue_part(rid, dst, req, *held)
+            held.clear()
+        if held:
+            held[1] = ev.end_layer
+        else:
+            held[:] = [ev.first_layer, ev.end_layer, ev.start, ev.end]
+        if held[1] - held[0] >= self.stream_layers or held[1] == self.engine.mcfg.num_layers:
+            self._queue_part(rid, dst, req, *held)
+            held.clear()
+
+    def _queue_part(self, rid, dst, req, l0, l1, t0, t1) -> None:
+        ready = None
+        if self.engine.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._sender(dst).put(SendPart(rid, (l0, l1), (t0, t1), list(req.block_ids), ready))
+
+    def _hand_off(self, rid: str, first_token: int, first_token_time: float) -> None:
         req = self.engine.requests[rid]
         dst = self._dst.pop(rid, None)
         if rid in self._drop or dst is None:           # fault injection: this transfer never happens
             self._drop.discard(rid)
             self.engine.release(rid)
             return
-        kv = self.engine.export_kv(rid)
-        if kv.device.type == "cuda":
-            torch.cuda.current_stream(kv.device).synchronize()
-        handoff = handoff_for(req, kv, first_token_time)
-        self.engine.release(rid)
-        self._sender(dst).put((handoff, kv))
+        q = self._sender(dst)
+        if self._streaming.pop(rid, None) is None:     # not streamed: all of it goes now
+            q.put(SendBegin(handoff_for(req, self.engine.mcfg, self.engine.dtype)))
+            self._queue_part(rid, dst, req, 0, self.engine.mcfg.num_layers, 0, req.num_prompt_tokens)
+        q.put(SendEnd(rid, first_token, first_token_time))
+
+    def _cancel_send(self, rid: str, reason: str) -> None:
+        """A transfer begun (streaming) or queued whose request will not hand off: its sender says so."""
+        dst = self._dst.pop(rid, None)
+        if dst is None:
+            return
+        self._cancelled.add(rid)
+        self._streaming.pop(rid, None)
+        self._sender(dst).put(SendCancel(rid, reason))
 
     def _sender(self, dst: int) -> queue.Queue:
         if dst not in self._senders:
@@ -278,22 +458,70 @@ class Worker:
         return self._senders[dst]
 
     def _send_loop(self, dst: int, q: queue.Queue) -> None:
-        channel = None
+        """One destination's transfers, message by message; every failure ends in an event."""
+        channel, begun, failed = None, {}, set()      # begun: rid -> [start wall time, perf start, bytes]
         while True:
-            handoff, kv = q.get()
-            start = time.time()
+            item = q.get()
+            rid = item.handoff.request_id if isinstance(item, SendBegin) else item.rid
             try:
                 if channel is None:
                     channel = self.transport.channel(dst)
-                seconds = channel.send(handoff, kv)
+                if isinstance(item, SendCancel):
+                    if rid in begun:
+                        channel.cancel(rid, item.reason)
+                    begun.pop(rid, None)
+                    failed.discard(rid)
+                    self._cancelled.discard(rid)
+                    continue
+                if rid in failed:
+                    failed.discard(rid) if isinstance(item, SendEnd) else None
+                    continue
+                if isinstance(item, SendBegin):
+                    begun[rid] = [time.time(), time.perf_counter(), 0]
+                    channel.begin(item.handoff)
+                elif isinstance(item, SendPart):
+                    try:
+                        kv = self._read_part(item)
+                    except Exception as e:   # not the wire's fault: the request fails, and is not retried
+                        if rid in begun:
+                            channel.cancel(rid, "its KV could not be read on the prefill worker")
+                        begun.pop(rid, None)
+                        failed.add(rid)
+                        self._inbox.put(Exported(rid, f"KV export failed: {_reason(e)}"))
+                        continue
+                    channel.part(rid, item.layers[0], item.tokens[0], kv)
+                    begun[rid][2] += kv.numel() * kv.element_size()
+                    del kv
+                elif isinstance(item, SendEnd):
+                    if rid in self._cancelled:          # aborted while we were sending it
+                        continue
+                    channel.end(rid, item.first_token, item.first_token_time)
+                    wall, perf, nbytes = begun.pop(rid)
+                    self._inbox.put(Exported(rid))
+                    self._emit({"kind": "sent", "rid": rid, "dst": dst, "bytes": nbytes,
+                                "seconds": time.perf_counter() - perf, "start": wall})
             except Exception as e:   # this request's KV is not delivered; the thread serves the next
-                self._emit({"kind": "send_failed", "rid": handoff.request_id, "dst": dst,
-                            "reason": f"{type(e).__name__}: {e}"})
-                continue
-            finally:
-                del kv
-            self._emit({"kind": "sent", "rid": handoff.request_id, "dst": dst, "bytes": handoff.nbytes,
-                        "seconds": seconds, "start": start})
+                begun.pop(rid, None)
+                failed.add(rid)
+                if isinstance(item, SendEnd):
+                    failed.discard(rid)
+                self._inbox.put(Exported(rid))           # its blocks go; the router retries it
+                self._emit({"kind": "send_failed", "rid": rid, "dst": dst, "reason": f"{type(e).__name__}: {e}"})
+
+    def _read_part(self, item: SendPart) -> torch.Tensor:
+        """The part's KV out of the pool, in this thread (on a GPU: on this thread's stream, after
+        the compute stream's event; staged in pinned memory for a wire that sends from the host)."""
+        (l0, l1), (t0, t1) = item.layers, item.tokens
+        if item.ready is None:
+            return self.engine.cache.export(item.block_ids, t1, layers=(l0, l1), start=t0)
+        torch.cuda.current_stream().wait_event(item.ready)
+        kv = self.engine.cache.export(item.block_ids, t1, layers=(l0, l1), start=t0)
+        if self.transport.name == "zmq":
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return host
+        return kv
 
 
 def _node_ip() -> str:

@@ -154,7 +154,10 @@ def request_row(rec, t0: float) -> dict:
         "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
         "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
         "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
+        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
+        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
+                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
+        "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
         "note": rec.note,
     }

@@ -29,6 +29,7 @@ class RequestRecord:
     handoff_s: float | None = None                     # first token -> decode worker's first step with it
     kv_send_start: float | None = None                 # prefill worker's clock: KV send began
     kv_arrived: float | None = None                    # decode worker's clock: last KV byte in
+    prefill_end: float | None = None                   # prefill worker's clock: its step made the first token
     decode_s: float | None = None                      # decode worker's first step -> last token
     worker_token_times: list[float] = field(default_factory=list)  # worker clock: when each token was made
 

@@ -264,7 +264,7 @@ class Router:
             rec.transfer_s, rec.transfer_bytes, rec.kv_send_start = ev["seconds"], ev["bytes"], ev["start"]
         elif kind == "imported":
             att.imported = True
-            att.record.kv_arrived = ev["arrived"]
+            att.record.kv_arrived, att.record.prefill_end = ev["arrived"], ev.get("prefill_end")
         elif kind in ("send_failed", "import_failed") and att.kind == "handoff":
             self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
 

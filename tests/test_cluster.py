@@ -106,6 +106,24 @@ def test_disaggregated_matches_colocated_and_counts_bytes(disagg, colocated, ref
     assert all(r.transfer_bytes == 0 for r in col)
 
 
+@pytest.mark.parametrize("backend,stream,budget", [("zmq", "layer", 256), ("nccl", "layer", 256), ("zmq", "chunk", 64)])
+def test_streamed_kv_continues_identically(backend, stream, budget, reference):
+    """KV streamed layer by layer as the prefill computes it (or chunk by chunk, prompts prefilled in
+    64-token chunks) gives the tokens of never moving it; its last byte lands within the transfer."""
+    transfer = TransferConfig(backend=backend, max_frame_bytes=FRAME_BYTES, stream=stream)
+    prefill = ENGINE.replace(role="prefill", token_budget=budget, policy="chunked")
+    pool = start_pool(engine={"prefill": prefill, "decode": DECODE_ENGINE.replace(role="decode")}, transfer=transfer)
+    try:
+        records = serve(pool, transfer=transfer)
+    finally:
+        pool.shutdown()
+    assert [r.output_ids for r in records] == reference
+    for rec, prompt in zip(records, PROMPTS):
+        assert rec.status == "ok" and rec.attempts == 1
+        assert rec.transfer_bytes == KV_BYTES_PER_TOKEN * len(prompt)
+        assert rec.kv_arrived is not None and rec.prefill_end is not None
+
+
 def test_never_fit_request_rejected_before_any_prefill(disagg, reference):
     router = Router(disagg).start()
     good = [router.submit(f"g{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
