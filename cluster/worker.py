@@ -9,8 +9,12 @@ No request takes the worker down: an exception while admitting, stepping, export
 request fails that request (a `failed`, `rejected` or `import_failed` event naming it) and the loop
 goes on. Every exception on a sender or receiver thread ends in an event too.
 
+Times in events are this worker's clock (time.time()); the router reads it through `clock` probes and
+converts every time to its own clock (router/clock.py).
+
 Events (plain dicts, one per kind):
     step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
+              end: when the step's forward pass and sampling finished, the time of each of its tokens
     rejected  rid, reason                         the engine refused the request
     failed    rid, reason                         it failed while being served; its blocks are freed
     sent      rid, dst, bytes, seconds, start     KV handed to the wire and delivered to it
@@ -105,6 +109,10 @@ class Worker:
                 "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
                 "torch_threads": torch.get_num_threads()}
+
+    def clock(self) -> float:
+        """This worker's clock, for the router's offset probes."""
+        return time.time()
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
@@ -235,10 +243,12 @@ class Worker:
         if not events:
             return
         first_scheduled, tokens, handoffs, failed = {}, [], [], []
+        end = None                   # the step's end: every token's time (a failure's is later)
         for ev in events:
             if isinstance(ev, RequestFailed):
                 failed.append(ev)
                 continue
+            end = ev.time if end is None else end
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
@@ -250,7 +260,7 @@ class Worker:
             except Exception as e:   # export or header failed: this request alone ends here
                 failed.append(self.engine.fail(ev.request_id, f"KV export failed: {_reason(e)}"))
         if tokens:
-            self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+            self._emit({"kind": "step", "end": end, "tokens": tokens, "first_scheduled": first_scheduled})
         for ev in failed:
             self._dst.pop(ev.request_id, None)
             self._emit({"kind": "failed", "rid": ev.request_id, "reason": ev.reason})

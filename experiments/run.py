@@ -109,6 +109,7 @@ def request_row(rec, t0: float) -> dict:
         "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
         "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
         "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
+        "client_ttft_s": rec.client_ttft_s, "client_e2e_s": rec.client_e2e_s, "client_itl_s": rec.client_itl_s,
         "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
         "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
@@ -155,7 +156,7 @@ def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident
         router = Router(pool, spec.router, spec.transfer, spec.fault).start()
         t0 = drive(router, requests, ident["label"])
         router.close()
-        traces = pool.traces()
+        traces = router.traces()          # steps on the router's clock, like the requests
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
@@ -165,6 +166,7 @@ def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident
                                       for worker, steps in traces.items() for s in steps))
     metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
     metrics["point"] = ident
+    metrics["clocks"] = router.clock_report()
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]
     if unexpected := unexpected_failures(router.records.values()):

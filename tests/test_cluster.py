@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -302,7 +303,52 @@ def test_stream_yields_tokens_as_recorded(colocated):
     router.close()
     assert [t for t, _ in streamed] == rec.output_ids and len(streamed) == 20
     times = [t for _, t in streamed]
-    assert times == sorted(times) and times[0] >= rec.arrival_s
+    assert times == rec.token_times and times == sorted(times) and times[0] >= rec.arrival_s
+
+
+def test_no_gap_between_colocated_tokens_is_shorter_than_half_a_step(colocated):
+    check_gaps_under_a_busy_router(colocated)
+
+
+def test_no_gap_between_disaggregated_tokens_is_shorter_than_half_a_step(disagg):
+    check_gaps_under_a_busy_router(disagg)
+
+
+def check_gaps_under_a_busy_router(pool):
+    """The router is kept too busy to poll on time (its lock held 100 ms in every 105), so poll replies
+    carry several steps: their tokens arrive together (client gaps of exactly 0), yet each token's time
+    is the end of the step that made it, so a gap is never shorter than half the fastest step of the
+    worker that made the later token."""
+    router = Router(pool).start()
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            with router._lock:
+                time.sleep(0.1)
+            time.sleep(0.005)
+    records = [router.submit(f"gap{i}", p, greedy(16)) for i, p in enumerate(PROMPTS[:3])]
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        assert router.wait(90), router.progress()
+    finally:
+        stop.set()
+        hog.join()
+        router.close()
+    start, end = min(r.arrival_s for r in records), max(r.end_time for r in records)
+    steps = {name: [s for s in trace if start <= s["end"] <= end] for name, trace in router.traces().items()}
+    fastest = {name: min(s["end"] - s["start"] for s in trace) for name, trace in steps.items() if trace}
+    ends = {name: {s["end"] for s in trace} for name, trace in steps.items()}
+    for rec in records:
+        assert rec.status == "ok" and len(rec.token_times) == 16, rec.reason
+        assert all(t in ends[w] for t, w in zip(rec.token_times, rec.token_workers)), "a token's time is a step end"
+        for gap, worker in zip(rec.itl_s, rec.token_workers[1:]):
+            assert gap >= fastest[worker] / 2, (rec.id, worker, gap, fastest[worker])
+    assert any(g == 0.0 for r in records for g in r.client_itl_s), "replies were meant to carry several steps"
+    assert all(r.client_ttft_s >= r.ttft_s for r in records), "a token reaches the router after it is made"
+    for name, c in router.clock_report().items():   # one host, one clock: the true offset is 0
+        assert c["rounds"] >= 1 and abs(c["offset_ms"]) <= c["error_ms"], (name, c)
 
 
 def test_bad_requests_rejected_at_router_alone(colocated, reference):
