@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.isolation import pin_process, usable_cores
 from cluster.transfer.base import Arrival, TransferConfig, TransferProblem
 from cluster.transfer.wire import Expect, handoff_for
 from workers.config import EngineConfig
@@ -66,6 +67,16 @@ class Arrived:
     arrival: Arrival
 
 
+@dataclass
+class Isolate:
+    """Pin this process to `cores` and set torch's threads, done by the loop thread (torch's thread
+    count is per thread); the caller waits on `done` for `result`."""
+    cores: list
+    threads: int
+    done: threading.Event
+    result: dict
+
+
 def _reason(e: Exception) -> str:
     return e.reason if isinstance(e, InvalidRequest) else f"{type(e).__name__}: {e}"
 
@@ -79,6 +90,7 @@ class Worker:
             torch.set_num_threads(torch_threads)
         self.rank = rank
         self.role = engine_cfg.role
+        self.node_cores = usable_cores()          # before any pinning: the cores of this node we may use
         device = parse_device(spec.device)
         dtype = resolve_dtype(spec.dtype, device)
         if device.type == "cuda":
@@ -108,11 +120,31 @@ class Worker:
                 "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
                 "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "node_id": _node_id(), "node_cores": self.node_cores}
 
     def clock(self) -> float:
         """This worker's clock, for the router's offset probes."""
         return time.time()
+
+    def isolate(self, cores: list[int], threads: int, timeout_s: float = 30.0) -> dict:
+        """Pin every thread of this worker to `cores` and run torch with `threads` threads; returns what
+        the loop thread reads back: {cores, torch_threads, error}."""
+        item = Isolate(list(cores), threads, threading.Event(), {})
+        self._inbox.put(item)
+        if not item.done.wait(timeout_s):
+            raise RuntimeError(f"{self.role} worker {self.rank}: the loop thread did not pin itself within "
+                               f"{timeout_s:g} s (alive: {self._loop.is_alive()})")
+        return item.result
+
+    def affinity(self) -> dict:
+        """The cores each thread of this process may run on, read back: {thread id: [cores]}."""
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                out[int(tid)] = usable_cores(int(tid))
+            except OSError:
+                pass
+        return out
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
@@ -208,6 +240,15 @@ class Worker:
                 if a.handoff.request_id == rid:
                     a.release()
             self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
+        elif isinstance(item, Isolate):
+            error = None
+            try:
+                pin_process(item.cores)
+            except OSError as e:
+                error = f"could not pin to cores {item.cores}: {e}"
+            torch.set_num_threads(max(1, item.threads))
+            item.result.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), error=error)
+            item.done.set()
         elif isinstance(item, Arrived):
             a, h = item.arrival, item.arrival.handoff
             if h.request_id in self._aborted:
@@ -303,6 +344,15 @@ class Worker:
                 del kv
             self._emit({"kind": "sent", "rid": handoff.request_id, "dst": dst, "bytes": handoff.nbytes,
                         "seconds": seconds, "start": start})
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+        # asking an uninitialized Ray for its context would start one (a Worker run in-process, in tests)
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
 
 
 def _node_ip() -> str:

@@ -166,6 +166,7 @@ def serve_point(spec: RunSpec, requests: list[WorkloadRequest], out: Path, ident
                                       for worker, steps in traces.items() for s in steps))
     metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
     metrics["point"] = ident
+    metrics["isolation"] = pool.isolation
     metrics["clocks"] = router.clock_report()
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]

@@ -59,9 +59,11 @@ def greedy(n=MAX_TOKENS):
 
 
 def start_pool(mode="disaggregated", backend="zmq", prefill=1, decode=1, workers=2, engine=ENGINE,
-               transfer=None, **cluster):
+               transfer=None, cpus_per_worker=0, **cluster):
+    """cpus_per_worker=0: no Ray CPUs reserved, so that pools can coexist on the 2 CPUs ray_session declares
+    (the `colocated` pool reserves them, as cluster.cpus_per_worker=auto does by default)."""
     cfg = ClusterConfig(mode=mode, prefill_workers=prefill, decode_workers=decode, workers=workers,
-                        log_to_driver=False, **cluster)
+                        log_to_driver=False, cpus_per_worker=cpus_per_worker, **cluster)
     return WorkerPool(cfg, SPEC, engine, transfer or TransferConfig(backend=backend)).start()
 
 
@@ -87,7 +89,7 @@ def disagg(request):
 
 @pytest.fixture(scope="module")
 def colocated():
-    pool = start_pool(mode="colocated", workers=2)
+    pool = start_pool(mode="colocated", workers=2, cpus_per_worker="auto")
     yield pool
     pool.shutdown()
 
@@ -351,6 +353,27 @@ def check_gaps_under_a_busy_router(pool):
         assert c["rounds"] >= 1 and abs(c["offset_ms"]) <= c["error_ms"], (name, c)
 
 
+def test_workers_run_on_cores_of_their_own(colocated):
+    """cluster.cpus_per_worker=auto with 2 workers on 2 Ray CPUs: one core each. Read back from outside:
+    every thread of each worker process (after serving, so torch's threads exist) may run on its cores alone."""
+    serve(colocated, prompts=PROMPTS[:2])
+    iso = colocated.isolation
+    node = colocated.workers[0].info["node_cores"]
+    assert iso["workers"] == 2 and iso["cores"] == len(node) and iso["cpus_per_worker"] == 1
+    for w in colocated.workers:
+        threads = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{w.info['pid']}/task")}
+        assert all(cores == w.info["cores"] for cores in threads.values()), (w.name, threads)
+        inside = ray.get(w.actor.affinity.remote())
+        assert all(cores == w.info["cores"] for cores in inside.values()), (w.name, inside)
+    if len(node) >= 2:
+        a, b = (w.info["cores"] for w in colocated.workers)
+        assert iso["dedicated"] and len(a) == len(b) == 1 and not set(a) & set(b), iso
+        assert all(w.info["torch_threads"] == 1 for w in colocated.workers)
+        assert [p["cores"] for p in iso["per_worker"]] == [a, b]
+    else:
+        assert not iso["dedicated"] and "2 workers on 1 cores" in iso["reason"]
+
+
 def test_bad_requests_rejected_at_router_alone(colocated, reference):
     router = Router(colocated).start()
     bad = {"empty": [], "vocab": [1, 2, 4096], "long": [1] * 5000}
@@ -375,8 +398,12 @@ def test_transfer_timeout_is_recovered(disagg, reference):
     assert all(r.status == "ok" for r in records)
 
 
-def test_killed_decode_worker_loses_no_request():
-    pool = start_pool(prefill=1, decode=2)
+def test_killed_decode_worker_loses_no_request(caplog):
+    pool = start_pool(prefill=1, decode=2, cpus_per_worker="auto")
+    # 3 workers on the 2 CPUs ray_session declares: nothing reserved, and the pool says what that means
+    assert pool.isolation["cpus_per_worker"] == 0 and not pool.isolation["dedicated"]
+    assert "workers share cores; differences between modes are confounded" in caplog.text
+    assert all(p["cores"] == pool.workers[0].info["cores"] for p in pool.isolation["per_worker"])
     try:
         # a dense stream of long generations, so requests are decoding on decode:0 when it dies
         records = serve(pool, prompts=PROMPTS * 4, faults=FaultConfig(kill_worker="decode:0", kill_after_s=1.0),

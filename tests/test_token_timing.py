@@ -1,7 +1,9 @@
-"""Token times without Ray: the router stamps each token with its step's end on the router's clock
-(fake workers whose clocks are far off)."""
+"""Token times and core assignment without Ray: the router stamps each token with its step's end on the
+router's clock (fake workers whose clocks are far off), and the pool's sizing and core assignment."""
 import pytest
 
+from cluster.config import ClusterConfig
+from cluster.isolation import assign_cores, bundle_cpus, threads_for
 from router.clock import Sample
 from router.router import Router
 from tests.test_routing import fake_pool, greedy, submitted
@@ -58,3 +60,39 @@ def test_tokens_carry_their_step_end_on_the_routers_clock_and_their_arrival():
     m = summarize([row], 1000.0, 100.0, 2)
     assert m["itl_ms"]["p50"] == pytest.approx(10.0) and m["client_itl_ms"]["p50"] == pytest.approx(0.0, abs=1e-6)
     assert m["ttft_ms"]["p50"] == pytest.approx(50.0) and m["client_ttft_ms"]["p50"] == pytest.approx(60.0)
+
+
+def test_auto_bundles_share_each_node_out_and_keep_a_core_for_the_driver():
+    one = lambda cpus, gpus: [{"id": "A", "cpus": cpus, "gpus": gpus}]      # noqa: E731
+    assert bundle_cpus("auto", one(2, 2), 2, "A") == 1          # this machine, the default layouts
+    assert bundle_cpus("auto", one(2, 16), 2, "A") == 1         # more (fake) GPUs than workers
+    assert bundle_cpus("auto", one(16, 2), 2, "A") == 7         # one core left for the driver
+    assert bundle_cpus("auto", one(16, 2), 2, "elsewhere") == 8
+    assert bundle_cpus("auto", one(2, 4), 3, "A") == 0          # more workers than cores: reserve nothing
+    assert bundle_cpus(2.5, one(2, 2), 2, "A") == 2.5           # as set
+    # a cluster: the driver on a CPU-only head, GPU nodes of 4 and 2 GPUs; a bundle may land on either
+    nodes = [{"id": "head", "cpus": 4, "gpus": 0}, {"id": "B", "cpus": 8, "gpus": 4}, {"id": "C", "cpus": 8, "gpus": 2}]
+    assert bundle_cpus("auto", nodes, 4, "head") == 2
+    assert bundle_cpus("auto", nodes, 1, "head") == 8
+
+
+def test_cores_are_assigned_per_node_disjoint_or_shared_with_a_reason():
+    got = assign_cores([0, 1], 2, 1, driver_here=True)                     # no spare core for the driver
+    assert got.per_worker == [[0], [1]] and got.dedicated and got.reason is None
+    got = assign_cores(list(range(16)), 2, 7, driver_here=True)
+    assert got.per_worker == [list(range(0, 7)), list(range(7, 14))] and got.dedicated
+    got = assign_cores([0, 1, 2], 2, 8, driver_here=True)                  # Ray counts more CPUs than there are
+    assert got.per_worker == [[0], [1]] and got.dedicated                  # core 2 left for the driver
+    got = assign_cores([4, 5, 6, 7], 2, 2, driver_here=False)
+    assert got.per_worker == [[4, 5], [6, 7]]
+    got = assign_cores([0, 1], 3, 1, driver_here=True)
+    assert got.per_worker == [[0, 1]] * 3 and not got.dedicated and got.reason == "3 workers on 2 cores"
+    got = assign_cores([0, 1, 2, 3], 2, 0, driver_here=False)
+    assert not got.dedicated and got.reason.startswith("0 CPUs reserved per worker (cluster.cpus_per_worker)")
+    assert threads_for([0, 1, 2], 1, 0) == 3 and threads_for([0, 1], 3, 0) == 1 and threads_for([0], 1, 4) == 4
+
+
+@pytest.mark.parametrize("value", ["many", -1, True])
+def test_bad_cpus_per_worker_names_the_key(value):
+    with pytest.raises(ValueError, match="cluster.cpus_per_worker="):
+        ClusterConfig(cpus_per_worker=value)
