@@ -47,7 +47,7 @@ def best_probe(probes) -> Sample:
 class WorkerClock:
     """One worker's clock on the router's. Without any sample the offset is 0 (the same clock)."""
 
-    def __init__(self, drift: float = 1e-4, slew: float = 0.01, keep: int = 8, history: int = 64):
+    def __init__(self, drift: float = 1e-4, slew: float = 0.01, keep: int = 8, history: int = 100_000):
         if not 0 < slew < 0.5:
             raise ValueError(f"slew={slew} must be in (0, 0.5): one worker's gaps must keep their order and size")
         self.drift, self.slew, self.keep, self.history = drift, slew, keep, history
@@ -67,11 +67,13 @@ class WorkerClock:
         if not self._pieces:                     # the first estimate: nothing converted yet, take it
             self._w0, self._pieces = [float("-inf")], [(best.offset, best.offset)]
             return best
-        w_now = max(now + best.offset, self._w0[-1])
-        here = self.offset_at(w_now)             # the new piece starts where the last one is: no jump
-        self._w0.append(w_now)
+        # The new piece starts no earlier than the worker's clock can read now (its estimate plus the
+        # error bound), so a time converted before this update converts the same after it.
+        w0 = max(now + best.offset + best.bound(now, self.drift), self._w0[-1])
+        here = self.offset_at(w0)                # the new piece starts where the last one is: no jump
+        self._w0.append(w0)
         self._pieces.append((here, best.offset))
-        if len(self._pieces) > self.history:     # tokens older than this history are long converted
+        if len(self._pieces) > self.history:     # days of rounds: what is older is long converted
             del self._w0[0], self._pieces[0]
         return best
 

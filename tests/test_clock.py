@@ -86,3 +86,20 @@ def test_the_sample_with_the_smallest_bound_now_is_used():
     assert clock.update(Sample(offset=0.011, rtt=2e-3, at=20.0), 20.0).offset == 0.011
     with pytest.raises(ValueError, match="slew"):
         WorkerClock(slew=0.6)
+
+
+def test_a_time_already_converted_converts_the_same_after_a_new_estimate():
+    """steps.jsonl is converted at the end of a point, each token when it came in: both must agree, so
+    an update never reaches back over worker times that could already have been read."""
+    rnd = random.Random(5)
+    offset = 0.75
+    worker = lambda t: t + offset                     # noqa: E731
+    clock = WorkerClock()
+    clock.update(best_probe(probe_round(rnd, 0.0, worker)), 0.05)
+    seen = {}
+    for k in range(1, 50):
+        now = 2.0 * k
+        for w in (worker(now - 1.9), worker(now), worker(now + 0.05)):  # made up to the update itself
+            seen[w] = clock.to_router(w)
+        clock.update(best_probe(probe_round(rnd, now, worker)), now + 0.05)
+        assert all(clock.to_router(w) == t for w, t in seen.items()), k
