@@ -17,8 +17,12 @@ decode worker begins the import when the transfer begins (blocks allowing; else 
 until blocks free up, in arrival order), copies each part into the request's blocks as it lands,
 and schedules the request once the end brings its first token.
 
+Times in events are this worker's clock (time.time()); the router reads it through `clock` probes and
+converts every time to its own clock (router/clock.py).
+
 Events (plain dicts, one per kind):
     step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
+              end: when the step's forward pass and sampling finished, the time of each of its tokens
     rejected  rid, reason                         the engine refused the request
     failed    rid, reason                         it failed while being served; its blocks are freed
     sent      rid, dst, bytes, seconds, start     KV handed to the wire, the end included (start: its begin)
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.isolation import pin_process, usable_cores
 from cluster.transfer.base import Begin, Cancel, Delivery, End, Part, TransferConfig, TransferProblem
 from cluster.transfer.wire import Expect, KVHandoff, handoff_for
 from workers.config import EngineConfig
@@ -123,6 +128,16 @@ class Incoming:
     end: End | None = None
 
 
+@dataclass
+class Isolate:
+    """Pin this process to `cores` and set torch's threads, done by the loop thread (torch's thread
+    count is per thread); the caller waits on `done` for `result`."""
+    cores: list
+    threads: int
+    done: threading.Event
+    result: dict
+
+
 def _reason(e: Exception) -> str:
     return e.reason if isinstance(e, InvalidRequest) else f"{type(e).__name__}: {e}"
 
@@ -136,6 +151,7 @@ class Worker:
             torch.set_num_threads(torch_threads)
         self.rank = rank
         self.role = engine_cfg.role
+        self.node_cores = usable_cores()          # before any pinning: the cores of this node we may use
         device = parse_device(spec.device)
         dtype = resolve_dtype(spec.dtype, device)
         if device.type == "cuda":
@@ -168,7 +184,32 @@ class Worker:
                 "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
                 "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
-                "torch_threads": torch.get_num_threads(), "memory": e.memory()}
+                "torch_threads": torch.get_num_threads(), "node_id": _node_id(), "node_cores": self.node_cores,
+                "memory": e.memory()}
+
+    def clock(self) -> float:
+        """This worker's clock, for the router's offset probes."""
+        return time.time()
+
+    def isolate(self, cores: list[int], threads: int, timeout_s: float = 30.0) -> dict:
+        """Pin every thread of this worker to `cores` and run torch with `threads` threads; returns what
+        the loop thread reads back: {cores, torch_threads, error}."""
+        item = Isolate(list(cores), threads, threading.Event(), {})
+        self._inbox.put(item)
+        if not item.done.wait(timeout_s):
+            raise RuntimeError(f"{self.role} worker {self.rank}: the loop thread did not pin itself within "
+                               f"{timeout_s:g} s (alive: {self._loop.is_alive()})")
+        return item.result
+
+    def affinity(self) -> dict:
+        """The cores each thread of this process may run on, read back: {thread id: [cores]}."""
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                out[int(tid)] = usable_cores(int(tid))
+            except OSError:
+                pass
+        return out
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
@@ -268,6 +309,15 @@ class Worker:
             self._cancel_send(rid, "aborted")
             self.engine.abort(rid)
             self._end_incoming(rid)
+        elif isinstance(item, Isolate):
+            error = None
+            try:
+                pin_process(item.cores)
+            except OSError as e:
+                error = f"could not pin to cores {item.cores}: {e}"
+            torch.set_num_threads(max(1, item.threads))
+            item.result.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), error=error)
+            item.done.set()
         elif isinstance(item, Arrived):
             self._receive(item.delivery)
         elif isinstance(item, Dropped):
@@ -373,10 +423,13 @@ class Worker:
         if not events:
             return
         first_scheduled, tokens, failed = {}, [], []
+        end = None                   # the step's end: every token's time (a failure's is later)
         for ev in events:
             if isinstance(ev, RequestFailed):
                 failed.append(ev)
                 continue
+            end = ev.time if end is None else end
+            end = ev.time if end is None else end
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
@@ -388,7 +441,7 @@ class Worker:
             elif ev.finish_reason is not None:
                 self._cancel_send(ev.request_id, "finished on the prefill worker")
         if tokens:
-            self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+            self._emit({"kind": "step", "end": end, "tokens": tokens, "first_scheduled": first_scheduled})
         for ev in failed:
             self._cancel_send(ev.request_id, f"failed on the prefill worker: {ev.reason}")
             self._dst.pop(ev.request_id, None)
@@ -522,6 +575,15 @@ class Worker:
             torch.cuda.current_stream().synchronize()
             return host
         return kv
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+        # asking an uninitialized Ray for its context would start one (a Worker run in-process, in tests)
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
 
 
 def _node_ip() -> str:
