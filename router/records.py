@@ -58,3 +58,12 @@ class RequestRecord:
         del d["prompt_ids"]
         d.update(prompt_len=self.prompt_len, ttft_s=self.ttft_s, e2e_s=self.e2e_s)
         return d
+
+
+@dataclass
+class StreamUpdate:
+    """What one request did since a follower last looked (Router.follow)."""
+
+    token_ids: list[int]        # new tokens, in order
+    token_times: list[float]    # router clock, one per new token
+    done: bool                  # it has ended (ok or failed: read the record)

@@ -35,7 +35,7 @@ from cluster.transfer.base import TransferConfig
 from router.config import FaultConfig, RouterConfig
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import RequestRecord
+from router.records import RequestRecord, StreamUpdate
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
 MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
@@ -151,6 +151,52 @@ class Router:
                 if rec.done:
                     return
                 self._lock.wait(1.0)
+
+    def follow(self, seen: dict[str, int], timeout_s: float) -> dict[str, StreamUpdate]:
+        """What the requests in `seen` (id -> tokens already taken) did since: new tokens on the router's
+        clock, and whether each has ended. Waits up to `timeout_s` for a change when there is none yet;
+        an id not (or no longer) known ends at once. For a front end that follows many streams at once."""
+        with self._lock:
+            out = self._updates(seen)
+            if not out:
+                self._lock.wait(timeout_s)
+                out = self._updates(seen)
+            return out
+
+    def _updates(self, seen: dict[str, int]) -> dict[str, StreamUpdate]:
+        out = {}
+        for rid, n in seen.items():
+            rec = self.records.get(rid)
+            if rec is None:
+                out[rid] = StreamUpdate([], [], True)
+            elif len(rec.output_ids) > n or rec.done:
+                out[rid] = StreamUpdate(rec.output_ids[n:], rec.token_times[n:], rec.done)
+        return out
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """End a pending request now: its workers drop it and free its KV (in flight too), and its record
+        ends failed with `reason`. False if it had already ended (or is unknown)."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or rec.done:
+                return False
+            for att in [a for a in self._attempts.values() if a.record is rec]:
+                self._drop(att)
+            rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+            log.info("request %s %s", rec.id, reason)
+            self._lock.notify_all()
+            return True
+
+    def forget(self, request_id: str) -> RequestRecord | None:
+        """Drop an ended request's record (a long-running front end keeps only what is in flight);
+        returns it, or None when it is unknown or still pending."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or not rec.done:
+                return None
+            del self.records[request_id]
+            self._params.pop(request_id, None)
+            return rec
 
     def progress(self) -> dict:
         with self._lock:

@@ -18,6 +18,7 @@ from cluster.pool import WorkerPool, bundle_order
 from cluster.ray_cluster import ClusterError
 from cluster.transfer.base import TransferConfig
 from router.config import FaultConfig, RouterConfig
+from router.records import StreamUpdate
 from router.router import Router
 from tests.conftest import ROOT, random_prompts
 from workers.config import EngineConfig
@@ -303,6 +304,26 @@ def test_stream_yields_tokens_as_recorded(colocated):
     assert [t for t, _ in streamed] == rec.output_ids and len(streamed) == 20
     times = [t for _, t in streamed]
     assert times == sorted(times) and times[0] >= rec.arrival_s
+
+
+def test_abort_frees_kv_and_follow_sees_the_end(colocated):
+    router = Router(colocated).start()
+    rec = router.submit("long", PROMPTS[1], greedy(3000))
+    seen, deadline = 0, time.monotonic() + 30
+    while seen < 3 and time.monotonic() < deadline:            # follow it until it is decoding
+        seen += len(router.follow({"long": seen}, 0.5).get("long", StreamUpdate([], [], False)).token_ids)
+    worker = colocated.find(rec.prefill_worker)
+    assert seen >= 3 and ray.get(worker.actor.stats.remote())["num_blocks_used"] > 0
+    assert router.abort("long", "aborted: test") and not router.abort("long")
+    assert rec.status == "failed" and rec.reason == "aborted: test" and len(rec.output_ids) < 3000
+    assert router.follow({"long": seen}, 0.1)["long"].done
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ray.get(worker.actor.stats.remote())["num_blocks_used"]:
+        time.sleep(0.05)
+    assert ray.get(worker.actor.stats.remote())["num_blocks_used"] == 0
+    assert router.forget("long") is rec and "long" not in router.records and router.forget("long") is None
+    assert router.follow({"long": 0}, 0.1)["long"].done          # forgotten: ended, for a follower
+    router.close()
 
 
 def test_bad_requests_rejected_at_router_alone(colocated, reference):
