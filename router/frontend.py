@@ -156,7 +156,7 @@ class Frontend:
                         text = detok.add(token) + (detok.flush() if last else "")
                     text, hit = stops.feed(text)
                     if hit:
-                        self._end(op, "completed", abort="finished: a stop string matched")
+                        self._end(op, "completed", abort="finished: a stop string matched", finish="stop")
                         yield Piece(text, [token], "stop")
                         return
                     yield Piece(text, [token])
@@ -172,9 +172,9 @@ class Frontend:
             if op.outcome is None:      # the reader went away (disconnect, cancel)
                 self._end(op, "aborted", abort="aborted: the client went away")
 
-    def _end(self, op: Open, outcome: str, abort: str | None = None) -> None:
+    def _end(self, op: Open, outcome: str, abort: str | None = None, finish: str | None = None) -> None:
         if abort is not None:
-            self.router.abort(op.rid, abort)
+            self.router.abort(op.rid, abort, finish_reason=finish)
         op.outcome = outcome
         with self._lock:
             self._open.pop(op.rid, None)

@@ -173,16 +173,20 @@ class Router:
                 out[rid] = StreamUpdate(rec.output_ids[n:], rec.token_times[n:], rec.done)
         return out
 
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str = "aborted", finish_reason: str | None = None) -> bool:
         """End a pending request now: its workers drop it and free its KV (in flight too), and its record
-        ends failed with `reason`. False if it had already ended (or is unknown)."""
+        ends failed with `reason`, or ok with `finish_reason` when the caller has all it wanted (a stop
+        string it matched itself). False if it had already ended (or is unknown)."""
         with self._lock:
             rec = self.records.get(request_id)
             if rec is None or rec.done:
                 return False
             for att in [a for a in self._attempts.values() if a.record is rec]:
                 self._drop(att)
-            rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+            if finish_reason is not None and rec.token_times:
+                rec.status, rec.finish_reason, rec.end_time = "ok", finish_reason, rec.token_times[-1]
+            else:
+                rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
             log.info("request %s %s", rec.id, reason)
             self._lock.notify_all()
             return True
