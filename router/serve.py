@@ -5,8 +5,8 @@ The same config groups as experiments.run (model, cluster, scheduler, transfer, 
 `cluster.address`), then uvicorn serves /v1/completions, /v1/chat/completions, /v1/models, /health and
 /metrics at serve.host:serve.port. SIGINT or SIGTERM drains: no new connections, requests in flight
 get serve.drain_timeout_s to finish, the rest fail, then the pools are released. The run directory
-holds config.yaml, requests.jsonl (pdlab's own record of each request, as experiments.run writes it)
-and metrics.json.
+holds config.yaml, requests.jsonl and steps.jsonl (pdlab's own records of each request and each
+worker step, as experiments.run writes them) and metrics.json.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
-from experiments.run import CONF_DIR, ensure_ray, request_row
+from experiments.run import CONF_DIR, ensure_ray, request_row, write_jsonl
 from router.frontend import Frontend
 from router.openai_api import build_app
 from router.prom import OUTCOMES, ServeMetrics
@@ -158,7 +158,8 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
 
     def record(op, rec):
         if rows_file is not None:
-            row = request_row(rec, t0) | {"prompt_ids": rec.prompt_ids, "outcome": op.outcome, "kind": op.gen.kind}
+            row = request_row(rec, t0) | {"prompt_ids": rec.prompt_ids, "arrival_time": rec.arrival_s,
+                                          "outcome": op.outcome, "kind": op.gen.kind}
             rows_file.write(json.dumps(row) + "\n")
             rows_file.flush()
 
@@ -173,6 +174,11 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
         print(f"serving {model_name!r} on {pool.cfg.describe()} at http://{serve_cfg.host}:{serve_cfg.port}/v1 "
               f"({text}{chat}); Ctrl-C drains and stops", flush=True)
         server.run()
+        if rows_file is not None:    # each worker's step records, as experiments.run writes them
+            write_jsonl(run_dir / "steps.jsonl", ({"worker": worker, **{k: v for k, v in st.items()
+                                                                         if k not in ("start", "end")},
+                                                   "start_s": st["start"] - t0, "end_s": st["end"] - t0}
+                                                  for worker, steps in pool.traces().items() for st in steps))
     finally:
         if router is not None:
             router.close()

@@ -1,5 +1,5 @@
 """router.serve through the `openai` SDK: a live server per mode over a tiny save_pretrained checkpoint
-with a generated word-level tokenizer. Colocated runs as `python -m router.serve` in its own process
+with a generated tokenizer. Colocated runs as `python -m router.serve` in its own process
 (its own embedded Ray); disaggregated 1P+1D runs in this process on the session's Ray."""
 import json
 import os
@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router import openai_protocol as api
-from router import word_tokenizer
+from router import toy_tokenizer
 from router.tokenizer import TextTokenizer
 from tests.conftest import HF_CONFIGS, ROOT, make_hf_checkpoint
 
@@ -75,7 +75,7 @@ def until(predicate, timeout_s: float = 15.0, what: str = "condition"):
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve-ckpt")
     make_hf_checkpoint(directory, "gqa")
-    word_tokenizer.save(directory, VOCAB)
+    toy_tokenizer.save(directory, VOCAB)
     return directory
 
 
@@ -334,7 +334,8 @@ def test_shutdown_fails_what_is_left_when_the_drain_time_is_up(disagg, checkpoin
     assert not disagg.thread.is_alive()
 
 
-def test_sigterm_stops_accepting_finishes_in_flight_and_releases_the_pool(colocated_proc, colocated, checkpoint):
+def test_sigterm_stops_accepting_finishes_in_flight_and_releases_the_pool(colocated_proc, colocated, checkpoint,
+                                                                          reference):
     stream = client(colocated).completions.create(model=checkpoint.name, prompt=[1, 2], max_tokens=200, stream=True,
                                                   extra_body={"ignore_eos": True})
     it = iter(stream)
@@ -356,4 +357,6 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_releases_the_pool(coloca
     assert summary["requests"]["completed"] >= 3 and summary["failed_at_exit"] == 0
     rows = [json.loads(line) for line in (colocated_proc.run_dir / "requests.jsonl").read_text().splitlines()]
     assert rows[-1]["output_len"] == 200 and rows[-1]["status"] == "ok"
+    stopped = [r for r in rows if r["prompt_ids"] == reference["prompt_ids"] and r["finish_reason"] == "stop"]
+    assert len(stopped) == 2 and all(r["status"] == "ok" for r in stopped), "stop string and stop token id"
     assert json.loads((colocated_proc.run_dir / "metrics.json").read_text())["num_completed"] >= 3
