@@ -115,7 +115,8 @@ class Frontend:
         return {"waiting": waiting, "running": len(ops) - waiting}
 
     # -- admission ------------------------------------------------------------------------------
-    def admit(self, gen: Generation) -> Open:
+    def admit(self, gen: Generation, arrival_s: float | None = None) -> Open:
+        """Submit it, its record's clock started at `arrival_s` (when its HTTP request came in)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="service_unavailable",
                            retry_after_s=self.retry_after_s)
@@ -124,7 +125,7 @@ class Frontend:
                                 f"(serve.max_queue={self.max_queue}); retry later", code="rate_limit_exceeded",
                            retry_after_s=self.retry_after_s)
         rid = f"{'cmpl' if gen.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        rec = self.router.submit(rid, gen.prompt_ids, gen.params)
+        rec = self.router.submit(rid, gen.prompt_ids, gen.params, arrival_s=arrival_s)
         if rec.done:        # refused at admission: the rules of workers/request.py, or it can never fit
             self.router.forget(rid)
             reason = rec.reason or "refused"

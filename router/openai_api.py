@@ -67,6 +67,7 @@ def build_app(frontend, metrics, model_name: str, max_model_len: int, lifespan=N
         return await generate(request, "chat")
 
     async def generate(request: Request, kind: str):
+        arrival = frontend.router.clock()     # TTFT and E2EL count the front end's own work too
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -77,7 +78,7 @@ def build_app(frontend, metrics, model_name: str, max_model_len: int, lifespan=N
         tok = frontend.tokenizer
         gen = api.parse_completion(body, tok, model_name) if kind == "completion" else \
             api.parse_chat(body, tok, model_name, max_model_len)
-        op = frontend.admit(gen)
+        op = frontend.admit(gen, arrival)
         if gen.stream:
             return StreamingResponse(stream(op), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": op.rid})

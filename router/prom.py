@@ -1,9 +1,9 @@
 """GET /metrics: the server's counters and latency histograms, and the pools' live state, in the
 Prometheus text format (prometheus_client, which has no dependencies of its own).
 
-Latencies are the router's records (its clock, as experiments.run reports them): TTFT from submit
-to the first token, ITL between tokens, E2EL from submit to the last token. Worker gauges are read
-from each worker at scrape time (Worker.stats).
+Latencies are the router's records (its clock, as experiments.run reports them), started when the
+HTTP request came in: TTFT to the first token, ITL between tokens, E2EL to the last token. Worker
+gauges are read from each worker at scrape time (Worker.stats).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pdlab_inter_token_latency_seconds", "Gaps between tokens (router clock)",
                              buckets=ITL_BUCKETS, registry=r)
-        self.e2el = Histogram("pdlab_e2e_request_latency_seconds", "Submit to last token (router clock)",
+        self.e2el = Histogram("pdlab_e2e_request_latency_seconds", "Request in to last token (router clock)",
                               buckets=E2EL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdlab_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("pdlab_generation_tokens", "Tokens answered", registry=r)

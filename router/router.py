@@ -103,16 +103,19 @@ class Router:
             timer.start()
         return self
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict) -> RequestRecord:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict,
+               arrival_s: float | None = None) -> RequestRecord:
         """Admit one request (`params` a SamplingParams or its dict). A request that breaks the rules or
-        could never fit is recorded as failed with a reason naming the field, and no worker sees it."""
+        could never fit is recorded as failed with a reason naming the field, and no worker sees it.
+        `arrival_s` (router clock; default now): when it reached the system, if a front end saw it first."""
         with self._lock:
             key = request_id if isinstance(request_id, str) else str(request_id)
             if key in self.records:
                 raise InvalidRequest(request_id, "a request with this id was already submitted")
             max_tokens = params.get("max_tokens") if isinstance(params, dict) else getattr(params, "max_tokens", 0)
             rec = RequestRecord(key, list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
-                                max_tokens if isinstance(max_tokens, int) else 0, self.clock())
+                                max_tokens if isinstance(max_tokens, int) else 0,
+                                self.clock() if arrival_s is None else arrival_s)
             self.records[rec.id] = rec
             try:
                 params = validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)

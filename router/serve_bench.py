@@ -1,9 +1,9 @@
 """A real load generator against router.serve, beside experiments.run serving the same workload.
 
     python -m router.serve_bench [--guidellm PATH] [--layouts 1p1d,colocated-chunked] [--rate 4]
-                                 [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32]
+                                 [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32] [--repeats 2]
 
-For each layout: `python -m router.serve` (tiny preset, a generated tokenizer as serve.tokenizer) is
+For each layout, `--repeats` times interleaved: `python -m router.serve` (tiny preset, a generated tokenizer as serve.tokenizer) is
 driven by GuideLLM (Poisson arrivals, synthetic prompts, streaming /v1/completions, greedy); then the
 requests it served (their token ids and arrival times, from the server's requests.jsonl) are replayed
 by `python -m experiments.run workload=trace` on the same layout. Per request, the client's timings
@@ -140,7 +140,8 @@ def bench_layout(layout: str, tokenizer: Path, out: Path, args) -> dict:
                    stdout=open(out / "run.log", "w"), stderr=subprocess.STDOUT)
     replayed = [r for r in jsonl(run_dir / "requests.jsonl") if r["status"] == "ok"]
     steps = {name: step_stats(jsonl(d / "steps.jsonl")) for name, d in (("serve", serve_dir), ("run", run_dir))}
-    # where the client's time goes, per request: before the router saw it, and after its tokens were stamped
+    # where the client's time goes, per request: before the server's handler began (the record's arrival),
+    # and after its tokens were stamped
     before = [r["arrival_time"] - client[r["id"]]["start"] for r in matched]
     after_first = [client[r["id"]]["first"] - (r["arrival_time"] + r["ttft_s"]) for r in matched]
     after_last = [client[r["id"]]["last"] - (r["arrival_time"] + r["e2e_s"]) for r in matched]
@@ -164,7 +165,7 @@ def table(res: dict) -> str:
             ratio = lambda a, b: "n/a" if a is None or b is None or not b else f"{a / b:.3f}"
             rows.append(f"| {name} {q} | {fmt(c)} | {fmt(s)} | {ratio(c, s)} | {fmt(r)} | {ratio(r, s)} |")
     o = res["overhead_ms"]
-    rows += ["", "Client minus server, per request (p50 / p99): request sent -> router submit "
+    rows += ["", "Client minus server, per request (p50 / p99): request sent -> server handler (the record's arrival) "
              f"{o['http_to_submit']['p50']:.2f} / {o['http_to_submit']['p99']:.2f} ms; first token stamped -> "
              f"client {o['first_token_to_client']['p50']:.2f} / {o['first_token_to_client']['p99']:.2f} ms; last "
              f"token {o['last_token_to_client']['p50']:.2f} / {o['last_token_to_client']['p99']:.2f} ms. "
@@ -179,6 +180,18 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def spread(results: list[dict]) -> str:
+    """Client / records ratios over every layout and repeat: the range of each percentile."""
+    lines = [f"Client / router.serve records over {len(results)} runs (min - max):"]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2EL")):
+        parts = []
+        for q in QUANTILES:
+            ratios = [r["client"][key][q] / r["serve"][key][q] for r in results if r["serve"][key][q]]
+            parts.append(f"{q} {min(ratios):.3f} - {max(ratios):.3f}")
+        lines.append(f"  {name}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm", help="the guidellm executable")
@@ -187,18 +200,21 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=f"outputs/serve_bench/{time.strftime('%Y-%m-%d/%H-%M-%S')}")
     args = p.parse_args(argv)
     out = Path(args.out)
     tokenizer = toy_tokenizer.save(out / "tokenizer", preset("tiny").vocab_size)
     results = []
-    for layout in args.layouts.split(","):
-        res = bench_layout(layout, tokenizer, out / layout, args)
-        print(table(res), flush=True)
-        results.append(res)
+    for repeat in range(args.repeats):          # interleaved: every layout once per repeat
+        for layout in args.layouts.split(","):
+            res = bench_layout(layout, tokenizer, out / f"{layout}-{repeat}", args) | {"repeat": repeat}
+            print(table(res), flush=True)
+            results.append(res)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(spread(results))
     summary = {"out": str(out), "layouts": [{
-        "layout": r["layout"], "requests": r["num_matched"], "client_cores": r["client_cores"],
+        "layout": r["layout"], "repeat": r["repeat"], "requests": r["num_matched"], "client_cores": r["client_cores"],
         **{f"{k}_{q}_client_over_serve": (r["client"][k][q] / r["serve"][k][q]) if r["serve"][k][q] else None
            for k in ("ttft_ms", "tpot_ms") for q in QUANTILES},
         **{f"{k}_{q}_run_over_serve": (r["run"][k][q] / r["serve"][k][q]) if r["serve"][k][q] else None

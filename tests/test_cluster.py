@@ -308,12 +308,12 @@ def test_stream_yields_tokens_as_recorded(colocated):
 
 def test_abort_frees_kv_and_follow_sees_the_end(colocated):
     router = Router(colocated).start()
-    rec = router.submit("long", PROMPTS[1], greedy(3000))
+    rec = router.submit("long", PROMPTS[1], greedy(3000), arrival_s=time.time() - 5.0)   # a front end saw it first
     seen, deadline = 0, time.monotonic() + 30
     while seen < 3 and time.monotonic() < deadline:            # follow it until it is decoding
         seen += len(router.follow({"long": seen}, 0.5).get("long", StreamUpdate([], [], False)).token_ids)
     worker = colocated.find(rec.prefill_worker)
-    assert seen >= 3 and ray.get(worker.actor.stats.remote())["num_blocks_used"] > 0
+    assert seen >= 3 and ray.get(worker.actor.stats.remote())["num_blocks_used"] > 0 and rec.ttft_s >= 5.0
     assert router.abort("long", "aborted: test") and not router.abort("long")
     assert rec.status == "failed" and rec.reason == "aborted: test" and len(rec.output_ids) < 3000
     assert router.follow({"long": seen}, 0.1)["long"].done
