@@ -153,8 +153,8 @@ class Frontend:
                     last = up.done and i == len(up.token_ids) - 1
                     stop_token = last and rec.status == "ok" and rec.finish_reason == "stop"
                     text = ""
-                    if detok is not None and not stop_token:   # the token that stopped it is not text
-                        text = detok.add(token) + (detok.flush() if last else "")
+                    if detok is not None:       # the token that stopped it is not text
+                        text = ("" if stop_token else detok.add(token)) + (detok.flush() if last else "")
                     text, hit = stops.feed(text)
                     if hit:
                         self._end(op, "completed", abort="finished: a stop string matched", finish="stop")

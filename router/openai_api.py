@@ -87,14 +87,16 @@ def build_app(frontend, metrics, model_name: str, max_model_len: int, lifespan=N
     async def stream(op):
         gen, first = op.gen, True
         try:
-            async for piece in frontend.pieces(op):
-                chunk = api.envelope(gen.kind, op.rid, model_name, created,
-                                     [api.choice(gen.kind, piece.text, piece.token_ids, piece.finish_reason,
-                                                 True, first)], True)
-                if gen.include_usage:
-                    chunk["usage"] = api.usage(len(gen.prompt_ids), op.num_tokens) if gen.continuous_usage else None
-                first = False
-                yield _sse(chunk)
+            async with contextlib.aclosing(frontend.pieces(op)) as pieces:   # closed (aborting it) if cancelled
+                async for piece in pieces:
+                    chunk = api.envelope(gen.kind, op.rid, model_name, created,
+                                         [api.choice(gen.kind, piece.text, piece.token_ids, piece.finish_reason,
+                                                     True, first)], True)
+                    if gen.include_usage:
+                        chunk["usage"] = api.usage(len(gen.prompt_ids), op.num_tokens) if gen.continuous_usage \
+                            else None
+                    first = False
+                    yield _sse(chunk)
             if gen.include_usage:
                 last = api.envelope(gen.kind, op.rid, model_name, created, [], True)
                 last["usage"] = api.usage(len(gen.prompt_ids), op.num_tokens)
@@ -108,10 +110,11 @@ def build_app(frontend, metrics, model_name: str, max_model_len: int, lifespan=N
 
         async def collect():
             nonlocal finish
-            async for piece in frontend.pieces(op):
-                text.append(piece.text)
-                ids.extend(piece.token_ids)
-                finish = piece.finish_reason or finish
+            async with contextlib.aclosing(frontend.pieces(op)) as pieces:
+                async for piece in pieces:
+                    text.append(piece.text)
+                    ids.extend(piece.token_ids)
+                    finish = piece.finish_reason or finish
 
         task = asyncio.ensure_future(collect())
         try:

@@ -360,3 +360,31 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_releases_the_pool(coloca
     stopped = [r for r in rows if r["prompt_ids"] == reference["prompt_ids"] and r["finish_reason"] == "stop"]
     assert len(stopped) == 2 and all(r["status"] == "ok" for r in stopped), "stop string and stop token id"
     assert json.loads((colocated_proc.run_dir / "metrics.json").read_text())["num_completed"] >= 3
+
+
+def test_detokenizer_holds_a_split_character_and_loses_nothing(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["plain words and a few more"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = TextTokenizer(tmp_path)
+    ids = text.encode("words: wörld ünï 日本")
+    assert len(ids) > len("words: wörld ünï 日本"), "multi-byte characters span several tokens"
+    detok = text.detokenizer(ids[:2])
+    pieces = [detok.add(i) for i in ids[2:]] + [detok.flush()]
+    assert "".join(pieces) == text.decode(ids)[len(text.decode(ids[:2])):]
+    assert not any("\ufffd" in p for p in pieces) and "" in pieces, "held, not sent broken"
+
+
+def test_stop_matcher_finds_stops_across_pieces():
+    from router.frontend import StopMatcher
+    m = StopMatcher(("ab", "xyz"))                 # holds the last 2 characters: they may begin "xyz"
+    assert m.feed("qqa") == ("q", False) and m.feed("c") == ("q", False) and m.feed("d") == ("a", False)
+    assert m.feed("xy") == ("cd", False) and m.feed("zq") == ("", True)
+    m = StopMatcher(("ab",))
+    assert m.feed("xa") == ("x", False) and m.feed("by") == ("", True), "a stop split over two pieces"
+    assert StopMatcher(()).feed("abc") == ("abc", False)
+    m = StopMatcher(("end",))
+    assert m.feed("the e") == ("the", False) and m.flush() == " e"
