@@ -172,6 +172,8 @@ class Worker:
         self._cancelled: set[str] = set()             # aborted while its sender may still be busy with it
         self.stream_layers = 1
         self._alive = True
+        self._stats_steps = self._num_preempted = 0   # steps of the trace counted by stats()
+        self._stats_lock = threading.Lock()
         self._loop = threading.Thread(target=self._run, name=f"engine-{rank}", daemon=True)
         self._loop.start()
 
@@ -254,6 +256,18 @@ class Worker:
 
     def trace(self) -> list[dict]:
         return [s.to_dict() for s in list(self.engine.trace)]
+
+    def stats(self) -> dict:
+        """Live gauges for a front end's /metrics, read without stopping the loop (each value is
+        atomic; together they may be one step apart)."""
+        e, trace = self.engine, self.engine.trace
+        with self._stats_lock:
+            n = len(trace)
+            self._num_preempted += sum(s.num_preempted for s in trace[self._stats_steps:n])
+            self._stats_steps = n
+        return {"num_blocks_used": e.blocks.num_used, "num_kv_blocks": e.blocks.num_blocks,
+                "num_running": len(e.scheduler.running), "num_waiting": len(e.scheduler.waiting),
+                "num_steps": n, "num_preempted": self._num_preempted}
 
     # -- the loop thread ------------------------------------------------------------------------
     def _emit(self, event: dict) -> None:

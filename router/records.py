@@ -82,3 +82,12 @@ class RequestRecord:
 
 def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass
+class StreamUpdate:
+    """What one request did since a follower last looked (Router.follow)."""
+
+    token_ids: list[int]        # new tokens, in order
+    token_times: list[float]    # router clock, one per new token
+    done: bool                  # it has ended (ok or failed: read the record)

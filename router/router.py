@@ -39,7 +39,7 @@ from router.clock import WorkerClock, best_probe
 from router.config import FaultConfig, RouterConfig
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import RequestRecord
+from router.records import RequestRecord, StreamUpdate
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
 MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
@@ -112,16 +112,19 @@ class Router:
             timer.start()
         return self
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict) -> RequestRecord:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict,
+               arrival_s: float | None = None) -> RequestRecord:
         """Admit one request (`params` a SamplingParams or its dict). A request that breaks the rules or
-        could never fit is recorded as failed with a reason naming the field, and no worker sees it."""
+        could never fit is recorded as failed with a reason naming the field, and no worker sees it.
+        `arrival_s` (router clock; default now): when it reached the system, if a front end saw it first."""
         with self._lock:
             key = request_id if isinstance(request_id, str) else str(request_id)
             if key in self.records:
                 raise InvalidRequest(request_id, "a request with this id was already submitted")
             max_tokens = params.get("max_tokens") if isinstance(params, dict) else getattr(params, "max_tokens", 0)
             rec = RequestRecord(key, list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
-                                max_tokens if isinstance(max_tokens, int) else 0, self.clock())
+                                max_tokens if isinstance(max_tokens, int) else 0,
+                                self.clock() if arrival_s is None else arrival_s)
             self.records[rec.id] = rec
             try:
                 params = validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)
@@ -161,6 +164,56 @@ class Router:
                 if rec.done:
                     return
                 self._lock.wait(1.0)
+
+    def follow(self, seen: dict[str, int], timeout_s: float) -> dict[str, StreamUpdate]:
+        """What the requests in `seen` (id -> tokens already taken) did since: new tokens on the router's
+        clock, and whether each has ended. Waits up to `timeout_s` for a change when there is none yet;
+        an id not (or no longer) known ends at once. For a front end that follows many streams at once."""
+        with self._lock:
+            out = self._updates(seen)
+            if not out:
+                self._lock.wait(timeout_s)
+                out = self._updates(seen)
+            return out
+
+    def _updates(self, seen: dict[str, int]) -> dict[str, StreamUpdate]:
+        out = {}
+        for rid, n in seen.items():
+            rec = self.records.get(rid)
+            if rec is None:
+                out[rid] = StreamUpdate([], [], True)
+            elif len(rec.output_ids) > n or rec.done:
+                out[rid] = StreamUpdate(rec.output_ids[n:], rec.token_times[n:], rec.done)
+        return out
+
+    def abort(self, request_id: str, reason: str = "aborted", finish_reason: str | None = None) -> bool:
+        """End a pending request now: its workers drop it and free its KV (in flight too), and its record
+        ends failed with `reason`, or ok with `finish_reason` when the caller has all it wanted (a stop
+        string it matched itself). False if it had already ended (or is unknown)."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or rec.done:
+                return False
+            for att in [a for a in self._attempts.values() if a.record is rec]:
+                self._drop(att)
+            if finish_reason is not None and rec.token_times:
+                rec.status, rec.finish_reason, rec.end_time = "ok", finish_reason, rec.token_times[-1]
+            else:
+                rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+            log.info("request %s %s", rec.id, reason)
+            self._lock.notify_all()
+            return True
+
+    def forget(self, request_id: str) -> RequestRecord | None:
+        """Drop an ended request's record (a long-running front end keeps only what is in flight);
+        returns it, or None when it is unknown or still pending."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or not rec.done:
+                return None
+            del self.records[request_id]
+            self._params.pop(request_id, None)
+            return rec
 
     def progress(self) -> dict:
         with self._lock:

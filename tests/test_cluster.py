@@ -19,6 +19,7 @@ from cluster.pool import WorkerPool, bundle_order
 from cluster.ray_cluster import ClusterError
 from cluster.transfer.base import TransferConfig
 from router.config import FaultConfig, RouterConfig
+from router.records import StreamUpdate
 from router.router import Router
 from tests.conftest import ROOT, random_prompts
 from workers.config import EngineConfig
@@ -390,6 +391,26 @@ def test_workers_run_on_cores_of_their_own(colocated):
         assert [p["cores"] for p in iso["per_worker"]] == [a, b]
     else:
         assert not iso["dedicated"] and "2 workers on 1 cores" in iso["reason"]
+
+
+def test_abort_frees_kv_and_follow_sees_the_end(colocated):
+    router = Router(colocated).start()
+    rec = router.submit("long", PROMPTS[1], greedy(3000), arrival_s=time.time() - 5.0)   # a front end saw it first
+    seen, deadline = 0, time.monotonic() + 30
+    while seen < 3 and time.monotonic() < deadline:            # follow it until it is decoding
+        seen += len(router.follow({"long": seen}, 0.5).get("long", StreamUpdate([], [], False)).token_ids)
+    worker = colocated.find(rec.prefill_worker)
+    assert seen >= 3 and ray.get(worker.actor.stats.remote())["num_blocks_used"] > 0 and rec.ttft_s >= 5.0
+    assert router.abort("long", "aborted: test") and not router.abort("long")
+    assert rec.status == "failed" and rec.reason == "aborted: test" and len(rec.output_ids) < 3000
+    assert router.follow({"long": seen}, 0.1)["long"].done
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ray.get(worker.actor.stats.remote())["num_blocks_used"]:
+        time.sleep(0.05)
+    assert ray.get(worker.actor.stats.remote())["num_blocks_used"] == 0
+    assert router.forget("long") is rec and "long" not in router.records and router.forget("long") is None
+    assert router.follow({"long": 0}, 0.1)["long"].done          # forgotten: ended, for a follower
+    router.close()
 
 
 def test_bad_requests_rejected_at_router_alone(colocated, reference):
