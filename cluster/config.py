@@ -18,8 +18,10 @@ class ClusterConfig:
     num_gpus: int | None = None       # embedded Ray: GPUs to declare; None = the GPUs torch sees, or with
                                       # none, one per worker (torch then runs on CPU)
     num_cpus: int | None = None       # embedded Ray: CPUs to declare; None = this machine's
-    cpus_per_worker: float = 0.0      # CPU reserved per worker actor besides its GPU
-    torch_threads: int = 0            # per worker; 0 = this node's cores divided among its workers
+    cpus_per_worker: float | str = "auto"   # Ray CPUs reserved per worker besides its GPU, and as many cores
+                                      # pinned to it; auto = a node's cores over its workers (one kept for
+                                      # the driver when cores > workers); 0 = none: workers share cores
+    torch_threads: int = 0            # per worker; 0 = one per core of its own (an equal share if shared)
     startup_timeout_s: float = 60.0   # placement and actor start; past it, fail with what is missing
     log_to_driver: bool = True
 
@@ -34,8 +36,11 @@ class ClusterConfig:
                     raise ValueError(f"cluster.{key}={getattr(self, key)}: disaggregated mode needs at least one")
         elif self.workers < 1:
             raise ValueError(f"cluster.workers={self.workers}: colocated mode needs at least one worker")
-        if self.cpus_per_worker < 0:
-            raise ValueError(f"cluster.cpus_per_worker={self.cpus_per_worker} must be >= 0")
+        if self.cpus_per_worker != "auto" and (isinstance(self.cpus_per_worker, (str, bool))
+                                               or not self.cpus_per_worker >= 0):
+            raise ValueError(f"cluster.cpus_per_worker={self.cpus_per_worker!r} must be auto or a number >= 0")
+        if self.torch_threads < 0:
+            raise ValueError(f"cluster.torch_threads={self.torch_threads} must be >= 0 (0: one per core)")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"cluster.startup_timeout_s={self.startup_timeout_s} must be positive")
 

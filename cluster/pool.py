@@ -4,7 +4,8 @@ Ranks: prefill workers first, then decode workers (colocated: all ranks do both)
 placed the bundles, ranks are given to bundles by node (`assign_bundles`): under `pack` each
 prefill/decode pair shares a node where it can, and under `spread` every role is spread over the
 nodes, so that no node holds a whole role while another node has workers (losing one node then never
-takes a role with it).
+takes a role with it). Then each worker is given cores of its own on its node, and the driver the
+cores no worker holds (cluster/isolation.py); `pool.isolation` says what was achieved.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import PLACEMENTS, ClusterConfig
+from cluster.isolation import SHARED_WARNING, assign_cores, bundle_cpus, pin_process, threads_for, usable_cores
 from cluster.ray_cluster import ClusterError, check_resources
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
@@ -23,6 +25,10 @@ from cluster.worker import Worker
 from workers.weights import ModelSpec
 
 log = logging.getLogger(__name__)
+
+# Cores held by the live pools of this driver, by node id: a second pool pins around them.
+_HELD: dict[str, set[int]] = {}
+_DRIVER_CORES: list[int] | None = None      # the driver's own cores before any pool pinned it
 
 
 @dataclass(eq=False)
@@ -89,6 +95,8 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         self._pg = None
         self._store = None
+        self._held: dict[str, set[int]] = {}
+        self.isolation: dict | None = None
 
     # -- bring-up -------------------------------------------------------------------------------
     def start(self) -> "WorkerPool":
@@ -100,10 +108,12 @@ class WorkerPool:
             raise
 
     def _start(self) -> "WorkerPool":
-        check_resources(self.cfg)
         roles = self.cfg.roles
+        driver_node = ray.get_runtime_context().get_node_id()
+        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node)
+        check_resources(self.cfg, cpus)
         order = bundle_order(roles)
-        bundle = {"GPU": 1} | ({"CPU": self.cfg.cpus_per_worker} if self.cfg.cpus_per_worker else {})
+        bundle = {"GPU": 1} | ({"CPU": cpus} if cpus else {})
         self._pg = placement_group([bundle] * len(roles), strategy=PLACEMENTS[self.cfg.placement])
         if not self._pg.wait(timeout_seconds=self.cfg.startup_timeout_s):
             remove_placement_group(self._pg)
@@ -121,7 +131,7 @@ class WorkerPool:
             index = counters.get(role, 0)
             counters[role] = index + 1
             actor = remote.options(
-                num_gpus=1, num_cpus=self.cfg.cpus_per_worker, max_concurrency=16, max_restarts=0,
+                num_gpus=1, num_cpus=cpus, max_concurrency=16, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundles[rank]),
             ).remote(rank, self.spec, self._engine(role), threads)
             self.workers.append(WorkerHandle(rank, role, index, actor))
@@ -129,15 +139,55 @@ class WorkerPool:
         infos = self._get([w.actor.info.remote() for w in self.workers], "start the workers")
         for w, info in zip(self.workers, infos):
             w.info = info
+        self._isolate(cpus, driver_node)
         if self.cfg.mode == "disaggregated":
             self._wire()
         log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
         return self
 
+    def _isolate(self, cpus: float, driver_node: str) -> None:
+        """Pin each worker to cores of its own on its node (what is free of other pools of this driver),
+        the driver to the cores left; record it in `self.isolation` and warn when workers share cores."""
+        by_node: dict[str, list[WorkerHandle]] = {}
+        for w in self.workers:
+            by_node.setdefault(w.info["node_id"], []).append(w)
+        plans, reasons = [], []
+        for node, ws in by_node.items():
+            cores = ws[0].info["node_cores"]
+            free = [c for c in cores if c not in _HELD.get(node, ())]
+            got = assign_cores(free or cores, len(ws), cpus, node == driver_node)
+            if not got.dedicated:
+                reasons.append(f"{got.reason} on {ws[0].info['host']}")
+            for w, mine in zip(ws, got.per_worker):
+                plans.append((w, mine, threads_for(mine, 1 if got.dedicated else len(ws), self.cfg.torch_threads)))
+            if got.dedicated:
+                mine = set().union(*map(set, got.per_worker))
+                self._held[node] = mine
+                _HELD.setdefault(node, set()).update(mine)
+        results = self._get([w.actor.isolate.remote(mine, threads) for w, mine, threads in plans], "pin their threads")
+        for (w, mine, _), r in zip(plans, results):
+            w.info.update(cores=r["cores"], torch_threads=r["torch_threads"])
+            if r["error"] or r["cores"] != sorted(mine):
+                got_cores = r["cores"]
+                reasons.append(f"{w.name}: " + (r["error"] or f"asked for cores {mine}, runs on {got_cores}"))
+        dedicated = not reasons
+        driver = _pin_driver(driver_node)
+        self.isolation = {
+            "dedicated": dedicated, "workers": len(self.workers),
+            "cores": sum(len(ws[0].info["node_cores"]) for ws in by_node.values()), "nodes": len(by_node),
+            "cpus_per_worker": cpus, "driver_cores": driver,
+            "reason": "; ".join(reasons) or None,
+            "per_worker": [{"worker": w.name, "host": w.info["host"], "cores": w.info["cores"],
+                            "torch_threads": w.info["torch_threads"]} for w in self.workers]}
+        if not dedicated:
+            log.warning("%s (%s)", SHARED_WARNING, self.isolation["reason"])
+        elif driver is None:
+            log.info("the driver shares the workers' cores: no core is left over for it")
+
     def _engine(self, role: str) -> EngineConfig:
-        if isinstance(self.engine_cfg, dict):
-            return self.engine_cfg[role]
-        return self.engine_cfg.replace(role=role)
+        cfg = self.engine_cfg[role] if isinstance(self.engine_cfg, dict) else self.engine_cfg.replace(role=role)
+        # a prefill engine streams its KV out as the transfer config says
+        return cfg.replace(kv_stream=self.transfer.stream) if role == "prefill" else cfg
 
     def _get(self, refs, what: str):
         try:
@@ -174,6 +224,7 @@ class WorkerPool:
                                                 "127.0.0.1" if local else w.info["host"])
                        for w in self.workers], "join the torch.distributed group")
         self._get([w.actor.start_receiving.remote(t.max_frame_bytes) for w in decode], "start receiving")
+        self._get([w.actor.start_streaming.remote(t.stream_layers) for w in prefill], "start streaming")
 
     # -- use ------------------------------------------------------------------------------------
     def by_role(self, role: str) -> list[WorkerHandle]:
@@ -212,6 +263,36 @@ class WorkerPool:
             remove_placement_group(self._pg)
             self._pg = None
         self._store = None
+        if self._held:
+            for node, cores in self._held.items():
+                _HELD.get(node, set()).difference_update(cores)
+            self._held = {}
+            _pin_driver(ray.get_runtime_context().get_node_id() if ray.is_initialized() else None)
+
+
+def _nodes() -> list[dict]:
+    return [{"id": n["NodeID"], "cpus": n["Resources"].get("CPU", 0), "gpus": n["Resources"].get("GPU", 0)}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def _pin_driver(driver_node: str | None) -> list[int] | None:
+    """Keep the driver (the router's threads) off the cores workers of this driver's pools hold on its
+    node, where some core is left; back on all its cores once none is held. Returns its cores when
+    pinned apart, else None."""
+    global _DRIVER_CORES
+    if _DRIVER_CORES is None:
+        _DRIVER_CORES = usable_cores()
+    held = _HELD.get(driver_node, set()) if driver_node is not None else set()
+    left = [c for c in _DRIVER_CORES if c not in held]
+    apart = bool(held) and bool(left)
+    try:
+        pin_process(left if apart else _DRIVER_CORES)
+    except OSError as e:
+        log.warning("could not pin the driver: %s", e)
+        return None
+    if not held:
+        _DRIVER_CORES = None            # read afresh next time
+    return left if apart else None
 
 
 def _resources() -> dict:

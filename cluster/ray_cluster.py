@@ -13,6 +13,7 @@ import ray
 
 from cluster import ray_watchdog
 from cluster.config import ClusterConfig
+from cluster.isolation import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
                 gpus = torch.cuda.device_count() or cfg.num_workers
                 if not torch.cuda.device_count():
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
-            ray.init(num_gpus=gpus, num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
+            # the cores this process may use (a container's cpuset), not every core of the host
+            cpus = cfg.num_cpus or len(usable_cores())
+            ray.init(num_gpus=gpus, num_cpus=cpus, include_dashboard=False,
                      _temp_dir=temp_dir, runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}}, **common)
             ray_watchdog.watch(ray._private.worker._global_node.get_session_dir_path())
     return ray.cluster_resources()
@@ -53,14 +56,15 @@ def _packages() -> list[str]:
     return [os.path.join(ROOT, name) for name in ("workers", "cluster", "router", "experiments")]
 
 
-def check_resources(cfg: ClusterConfig, grace_s: float = 15.0) -> None:
-    """Fail at once if the cluster can never host the layout; wait up to `grace_s` for resources
-    that exist but are still being released (a previous pool's), then fail naming them."""
+def check_resources(cfg: ClusterConfig, cpus_per_worker: float, grace_s: float = 15.0) -> None:
+    """Fail at once if the cluster can never host the layout (`cpus_per_worker` Ray CPUs with each
+    worker's GPU, `cluster.cpus_per_worker` resolved); wait up to `grace_s` for resources that exist
+    but are still being released (a previous pool's), then fail naming them."""
     import time
 
     total = ray.cluster_resources()
     need_gpus = cfg.num_workers
-    need_cpus = cfg.num_workers * cfg.cpus_per_worker
+    need_cpus = cfg.num_workers * cpus_per_worker
     what = f"cluster.mode={cfg.mode} ({cfg.describe()})"
 
     def have():
@@ -72,7 +76,7 @@ def check_resources(cfg: ClusterConfig, grace_s: float = 15.0) -> None:
         raise ClusterError(f"{what} needs {need_gpus} GPUs, one per worker; {have()}")
     if total.get("CPU", 0) < need_cpus:
         raise ClusterError(f"{what} needs {need_cpus:g} CPUs (cluster.cpus_per_worker="
-                           f"{cfg.cpus_per_worker:g}); {have()}")
+                           f"{cfg.cpus_per_worker}: {cpus_per_worker:g} each); {have()}")
     deadline = time.monotonic() + grace_s
     while True:
         free = ray.available_resources()

@@ -7,9 +7,9 @@ Two spawned processes on this machine: rank 0 sends, rank 1 receives. For each s
 measurement there is one untimed warm-up transfer, then `repeats` back-to-back transfers, timed on
 rank 0 from its first send until rank 1 acks the last arrival over a Pipe. GB/s = 1e9 bytes/s.
 
-    nccl      NcclChannel.send -> NcclTransport.start_receiving delivery (gloo when on CPU)
+    nccl      NcclChannel begin/part/end -> NcclTransport.start_receiving deliveries (gloo when on CPU)
     raw dist  dist.send / dist.recv of one uint8 buffer over the same pair group and backend
-    zmq       ZmqChannel.send -> ZmqTransport.start_receiving delivery, loopback, CPU tensors
+    zmq       ZmqChannel begin/part/end -> ZmqTransport.start_receiving deliveries, loopback, CPU tensors
     raw zmq   PUSH/PULL on loopback, the same bytes in chunk-sized frames, copy=False both ends
 
 Raw dist runs for every size before the nccl receiver starts: its receive thread owns the group.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from cluster.transfer.base import BACKENDS, TransferConfig
+from cluster.transfer.base import BACKENDS, End, Part, TransferConfig, send
 from cluster.transfer.wire import Expect, KVHandoff
 
 HOST = "127.0.0.1"
@@ -71,12 +71,22 @@ def _transport_move(rank, channel, arrived: queue.Queue, shape, device):
                     raise RuntimeError(f"receiver: {got!r} instead of {nbytes} bytes")
         return wait
     kv = torch.ones(shape, dtype=getattr(torch, DTYPE), device=device)
-    handoff, ids = KVHandoff("bench", [1] * shape[2], 1, 0.0, PARAMS, DTYPE, shape), itertools.count()
+    handoff, ids = KVHandoff("bench", [1] * shape[2], PARAMS, DTYPE, shape), itertools.count()
 
-    def send(n: int) -> None:
+    def move(n: int) -> None:
         for _ in range(n):
-            channel.send(dataclasses.replace(handoff, request_id=f"bench-{next(ids)}"), kv)
-    return send
+            send(channel, dataclasses.replace(handoff, request_id=f"bench-{next(ids)}"), kv)
+    return move
+
+
+def _counter(arrived: queue.Queue):
+    """A receiver's deliveries: parts released at once, each end's byte count (or a problem) queued."""
+    def deliver(d):
+        if isinstance(d, Part):
+            d.release()
+        elif isinstance(d, End):
+            arrived.put(d.nbytes)
+    return deliver
 
 
 def _raw_dist_move(rank, group, nbytes, device):
@@ -127,7 +137,7 @@ def _bench_dist(rank: int, plan: dict, pipe, device: torch.device) -> dict[str, 
         move = _raw_dist_move(rank, group, TOKEN_BYTES * kv_shape(size_mib)[2], device)
         seconds[f"raw_dist/{size_mib}"] = _timed(rank, pipe, move, repeats)
     if rank == 1:
-        nccl.start_receiving(expect, lambda a: arrived.put(a.nbytes) or a.release(), arrived.put)
+        nccl.start_receiving(expect, _counter(arrived), arrived.put)
     channel = nccl.channel(1) if rank == 0 else None
     for size_mib, repeats in plan["sizes"]:
         move = _transport_move(rank, channel, arrived, kv_shape(size_mib), device)
@@ -148,7 +158,7 @@ def _bench_zmq(rank: int, plan: dict, pipe) -> dict[str, float]:
         raw.bind_to_random_port(f"tcp://{HOST}")
         transport, channel = ZmqTransport(cfg, HOST), None
         pipe.send((raw.getsockopt_string(zmq.LAST_ENDPOINT), transport.bind()))
-        transport.start_receiving(expect, lambda a: arrived.put(a.nbytes) or a.release(), arrived.put)
+        transport.start_receiving(expect, _counter(arrived), arrived.put)
     else:
         raw_address, address = pipe.recv()
         raw.connect(raw_address)

@@ -2,20 +2,30 @@
 
 Runs inside a threaded Ray actor (see pool.py); the engine it steps (workers/) knows nothing of Ray or
 the wires. Only the loop thread touches the engine; remote calls put work in an inbox and read events
-from an outbox. `poll` is a long poll: it
-returns every event since the last poll (whole steps' tokens at once), or waits for the next.
+from an outbox. `poll` is a long poll: it returns every event since the last poll (whole steps'
+tokens at once), or waits for the next.
 
 No request takes the worker down: an exception while admitting, stepping, exporting or importing one
 request fails that request (a `failed`, `rejected` or `import_failed` event naming it) and the loop
 goes on. Every exception on a sender or receiver thread ends in an event too.
 
+A prefill worker's KV goes out through kv_out.py (sender threads that read it out of the pool,
+after the prefill or as it is computed); a decode worker takes it in through kv_in.py (each part
+into the request's blocks as it lands).
+
+Times in events are this worker's clock (time.time()); the router reads it through `clock` probes and
+converts every time to its own clock (router/clock.py).
+
 Events (plain dicts, one per kind):
     step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
+              end: when the step's forward pass and sampling finished, the time of each of its tokens
     rejected  rid, reason                         the engine refused the request
     failed    rid, reason                         it failed while being served; its blocks are freed
-    sent      rid, dst, bytes, seconds, start     KV handed to the wire and delivered to it
+    sent      rid, dst, bytes, seconds, start     KV handed to the wire, the end included (start: its begin)
     send_failed rid, dst, reason                  (a refusal by the receiver included)
-    imported  rid, bytes, recv_s, time            KV arrived and is in this engine's pool
+    imported  rid, bytes, recv_s, arrived, prefill_end, time   every part is in this engine's pool
+                                                  (arrived: last byte in; prefill_end: the prefill
+                                                  worker's clock when its step made the first token)
     import_failed rid, reason                     (a transfer the receiver dropped included)
     transport_error message                       a wire problem tied to no request
     out_of_service reason                         this worker can receive no more KV
@@ -33,12 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.transfer.base import Arrival, TransferConfig, TransferProblem
-from cluster.transfer.wire import Expect, handoff_for
+from cluster.isolation import pin_process, usable_cores
+from cluster.kv_in import KVIn, reason_of
+from cluster.kv_out import Exported, KVOut
+from cluster.transfer.base import Delivery, TransferConfig, TransferProblem
+from cluster.transfer.wire import Expect
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.events import RequestFailed
-from workers.request import InvalidRequest
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
 
 
@@ -60,11 +72,31 @@ class Abort:
 
 @dataclass
 class Arrived:
-    arrival: Arrival
+    delivery: Delivery                   # from a receive thread: Begin, Part, End or Cancel
 
 
-def _reason(e: Exception) -> str:
-    return e.reason if isinstance(e, InvalidRequest) else f"{type(e).__name__}: {e}"
+@dataclass
+class Dropped:
+    rid: str
+    reason: str                          # a receive thread dropped this transfer
+
+
+@dataclass
+class SetStream:
+    mode: str                            # off | layer | chunk
+    stream_layers: int
+
+
+@dataclass
+class Isolate:
+    """Pin this process to `cores` and set torch's threads, done by the loop thread (torch's thread
+    count is per thread); the caller waits on `done` for `result`."""
+    cores: list
+    threads: int
+    done: threading.Event
+    result: dict
+
+
 
 
 class Worker:
@@ -76,6 +108,7 @@ class Worker:
             torch.set_num_threads(torch_threads)
         self.rank = rank
         self.role = engine_cfg.role
+        self.node_cores = usable_cores()          # before any pinning: the cores of this node we may use
         device = parse_device(spec.device)
         dtype = resolve_dtype(spec.dtype, device)
         if device.type == "cuda":
@@ -87,12 +120,12 @@ class Worker:
         self._inbox: queue.Queue = queue.Queue()
         self._events: list[dict] = []
         self._cond = threading.Condition()
-        self._senders: dict[int, queue.Queue] = {}
-        self._arrivals: list[Arrival] = []            # waiting for free blocks (loop thread only)
-        self._dst: dict[str, int] = {}                # prefill role: where each request's KV goes
-        self._drop: set[str] = set()                  # fault injection: transfers that never happen
         self._aborted: set[str] = set()
+        self.kv_in = KVIn(self.engine, self._emit)                    # decode role: KV arriving
+        self.out = KVOut(self.engine, self._emit, self._inbox.put, lambda: self.transport)   # prefill role
         self._alive = True
+        self._stats_steps = self._num_preempted = 0   # steps of the trace counted by stats()
+        self._stats_lock = threading.Lock()
         self._loop = threading.Thread(target=self._run, name=f"engine-{rank}", daemon=True)
         self._loop.start()
 
@@ -105,7 +138,32 @@ class Worker:
                 "num_kv_blocks": e.blocks.num_blocks, "block_size": e.cfg.block_size,
                 "max_model_len": e.max_model_len, "vocab_size": e.mcfg.vocab_size, "num_layers": e.mcfg.num_layers,
                 "kv_bytes_per_token": e.mcfg.kv_bytes_per_token(e.cache.pool.element_size()),
-                "torch_threads": torch.get_num_threads(), "memory": e.memory()}
+                "torch_threads": torch.get_num_threads(), "node_id": _node_id(), "node_cores": self.node_cores,
+                "memory": e.memory()}
+
+    def clock(self) -> float:
+        """This worker's clock, for the router's offset probes."""
+        return time.time()
+
+    def isolate(self, cores: list[int], threads: int, timeout_s: float = 30.0) -> dict:
+        """Pin every thread of this worker to `cores` and run torch with `threads` threads; returns what
+        the loop thread reads back: {cores, torch_threads, error}."""
+        item = Isolate(list(cores), threads, threading.Event(), {})
+        self._inbox.put(item)
+        if not item.done.wait(timeout_s):
+            raise RuntimeError(f"{self.role} worker {self.rank}: the loop thread did not pin itself within "
+                               f"{timeout_s:g} s (alive: {self._loop.is_alive()})")
+        return item.result
+
+    def affinity(self) -> dict:
+        """The cores each thread of this process may run on, read back: {thread id: [cores]}."""
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                out[int(tid)] = usable_cores(int(tid))
+            except OSError:
+                pass
+        return out
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
@@ -126,7 +184,15 @@ class Worker:
 
     def start_receiving(self, max_frame_bytes: int) -> None:
         expect = Expect.for_engine(self.engine, max_frame_bytes)
-        self.transport.start_receiving(expect, lambda a: self._inbox.put(Arrived(a)), self._on_transfer_problem)
+        self.transport.start_receiving(expect, lambda d: self._inbox.put(Arrived(d)), self._on_transfer_problem)
+
+    def start_streaming(self, stream_layers: int = 1) -> None:
+        """Prefill role: let the engine hand over KV as it is computed (its config's kv_stream)."""
+        self._inbox.put(SetStream(self.engine.cfg.kv_stream, stream_layers))
+
+    def set_stream(self, mode: str, stream_layers: int = 1) -> None:
+        """Prefill role: change how KV streams (off | layer | chunk), from the next step on."""
+        self._inbox.put(SetStream(mode, stream_layers))
 
     def submit(self, rid: str, prompt_ids: list[int], params: dict, dst: int | None = None,
                drop_transfer: bool = False, whole: bool = False) -> None:
@@ -145,6 +211,18 @@ class Worker:
     def trace(self) -> list[dict]:
         return [s.to_dict() for s in list(self.engine.trace)]
 
+    def stats(self) -> dict:
+        """Live gauges for a front end's /metrics, read without stopping the loop (each value is
+        atomic; together they may be one step apart)."""
+        e, trace = self.engine, self.engine.trace
+        with self._stats_lock:
+            n = len(trace)
+            self._num_preempted += sum(s.num_preempted for s in trace[self._stats_steps:n])
+            self._stats_steps = n
+        return {"num_blocks_used": e.blocks.num_used, "num_kv_blocks": e.blocks.num_blocks,
+                "num_running": len(e.scheduler.running), "num_waiting": len(e.scheduler.waiting),
+                "num_steps": n, "num_preempted": self._num_preempted}
+
     # -- the loop thread ------------------------------------------------------------------------
     def _emit(self, event: dict) -> None:
         with self._cond:
@@ -155,15 +233,15 @@ class Worker:
         """From a receive thread: tie the problem to its request when known, else to this worker."""
         if p.fatal:
             self._emit({"kind": "out_of_service", "reason": p.reason})
-        elif p.request_id is not None:
-            self._emit({"kind": "import_failed", "rid": p.request_id, "reason": p.reason})
+        elif p.request_id is not None:    # the loop thread ends its import (if begun) and says so
+            self._inbox.put(Dropped(p.request_id, p.reason))
         else:
             self._emit({"kind": "transport_error", "message": p.reason})
 
     def _run(self) -> None:
         try:
             while self._alive:
-                idle = not (self.engine.has_work() or self._arrivals)
+                idle = not (self.engine.has_work() or self.kv_in.waiting)
                 try:
                     item = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
                 except queue.Empty:
@@ -174,7 +252,7 @@ class Worker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                self._import_arrivals()
+                self.kv_in.admit()
                 if self.engine.has_work():
                     self._step()
         except Exception:
@@ -187,113 +265,82 @@ class Worker:
                 self.engine.add_request(item.rid, item.prompt_ids, item.params, arrival_time=item.time,
                                         whole=item.whole)
             except Exception as e:   # InvalidRequest, or anything the rules missed: this request alone
-                self._emit({"kind": "rejected", "rid": item.rid, "reason": _reason(e)})
+                self._emit({"kind": "rejected", "rid": item.rid, "reason": reason_of(e)})
                 return
             if item.dst is not None and not item.whole:
-                self._dst[item.rid] = item.dst
+                self.out.dst[item.rid] = item.dst
             if item.drop_transfer:
-                self._drop.add(item.rid)
+                self.out.drop.add(item.rid)
         elif isinstance(item, Abort):
             rid = item.rid
             self._aborted.add(rid)
+            self.out.cancel(rid, "aborted")
             self.engine.abort(rid)
-            for a in self._arrivals:
-                if a.handoff.request_id == rid:
-                    a.release()
-            self._arrivals = [a for a in self._arrivals if a.handoff.request_id != rid]
+            self.kv_in.end(rid)
+        elif isinstance(item, Isolate):
+            error = None
+            try:
+                pin_process(item.cores)
+            except OSError as e:
+                error = f"could not pin to cores {item.cores}: {e}"
+            torch.set_num_threads(max(1, item.threads))
+            item.result.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), error=error)
+            item.done.set()
+        elif isinstance(item, SetStream):
+            self.engine.cfg = self.engine.cfg.replace(kv_stream=item.mode)
+            self.engine.kv_listener = self.out.on_kv if item.mode != "off" else None
+            self.out.stream_layers = item.stream_layers
         elif isinstance(item, Arrived):
-            a, h = item.arrival, item.arrival.handoff
-            if h.request_id in self._aborted:
-                a.release()
-                return
-            try:   # refused at once if it could never be imported here: waiting would block those behind it
-                self.engine.validate(h.request_id, h.prompt_ids, h.params)
-            except Exception as e:
-                a.release()
-                self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
-                return
-            self._arrivals.append(a)
+            self.kv_in.receive(item.delivery, self._aborted)
+        elif isinstance(item, Dropped):
+            if self.kv_in.end(item.rid):
+                self._emit({"kind": "import_failed", "rid": item.rid, "reason": item.reason})
+        elif isinstance(item, Exported):
+            req = self.engine.requests.get(item.rid)
+            if item.failure is not None:
+                if req is not None:
+                    self.engine.abort(item.rid, item.failure)
+                self._emit({"kind": "failed", "rid": item.rid, "reason": item.failure})
+            elif req is not None and req.status.value == "handoff":
+                self.engine.release(item.rid)
 
-    def _import_arrivals(self) -> None:
-        keep = []
-        for a in self._arrivals:
-            h = a.handoff
-            if not keep and self.engine.can_import(len(h.prompt_ids)):   # in arrival order
-                try:
-                    self.engine.import_request(h.request_id, h.prompt_ids, h.first_token, h.params, a.parts)
-                    self._emit({"kind": "imported", "rid": h.request_id, "bytes": a.nbytes,
-                                "recv_s": a.recv_s, "arrived": a.arrived, "time": time.time()})
-                except Exception as e:   # refused, or failed while copying in: blocks are freed either way
-                    self._emit({"kind": "import_failed", "rid": h.request_id, "reason": _reason(e)})
-                finally:
-                    a.release()                   # imported (copied into the pool) or refused: done with it
-            else:
-                keep.append(a)
-        self._arrivals = keep
-
+    # -- the step, and sending KV (prefill role) --------------------------------------------------
     def _step(self) -> None:
         events = self.engine.step()
         if not events:
             return
-        first_scheduled, tokens, handoffs, failed = {}, [], [], []
+        first_scheduled, tokens, failed = {}, [], []
+        end = None                   # the step's end: every token's time (a failure's is later)
         for ev in events:
             if isinstance(ev, RequestFailed):
                 failed.append(ev)
                 continue
+            end = ev.time if end is None else end
+            end = ev.time if end is None else end
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
             if ev.finish_reason == "handoff":
-                handoffs.append(ev)
-        for ev in handoffs:          # start the KV on its way before telling the router
-            try:
-                self._hand_off(ev.request_id, ev.time)
-            except Exception as e:   # export or header failed: this request alone ends here
-                failed.append(self.engine.fail(ev.request_id, f"KV export failed: {_reason(e)}"))
+                try:          # start the KV on its way (or finish streaming it) before telling the router
+                    self.out.hand_off(ev.request_id, ev.token, ev.time)
+                except Exception as e:   # the header could not be made: this request alone ends here
+                    failed.append(self.engine.fail(ev.request_id, f"KV export failed: {reason_of(e)}"))
+            elif ev.finish_reason is not None:
+                self.out.cancel(ev.request_id, "finished on the prefill worker")
         if tokens:
-            self._emit({"kind": "step", "end": events[0].time, "tokens": tokens, "first_scheduled": first_scheduled})
+            self._emit({"kind": "step", "end": end, "tokens": tokens, "first_scheduled": first_scheduled})
         for ev in failed:
-            self._dst.pop(ev.request_id, None)
+            self.out.cancel(ev.request_id, f"failed on the prefill worker: {ev.reason}")
+            self.out.dst.pop(ev.request_id, None)
             self._emit({"kind": "failed", "rid": ev.request_id, "reason": ev.reason})
 
-    def _hand_off(self, rid: str, first_token_time: float) -> None:
-        req = self.engine.requests[rid]
-        dst = self._dst.pop(rid, None)
-        if rid in self._drop or dst is None:           # fault injection: this transfer never happens
-            self._drop.discard(rid)
-            self.engine.release(rid)
-            return
-        kv = self.engine.export_kv(rid)
-        if kv.device.type == "cuda":
-            torch.cuda.current_stream(kv.device).synchronize()
-        handoff = handoff_for(req, kv, first_token_time)
-        self.engine.release(rid)
-        self._sender(dst).put((handoff, kv))
-
-    def _sender(self, dst: int) -> queue.Queue:
-        if dst not in self._senders:
-            q: queue.Queue = queue.Queue()
-            threading.Thread(target=self._send_loop, args=(dst, q), name=f"kv-send-{dst}", daemon=True).start()
-            self._senders[dst] = q
-        return self._senders[dst]
-
-    def _send_loop(self, dst: int, q: queue.Queue) -> None:
-        channel = None
-        while True:
-            handoff, kv = q.get()
-            start = time.time()
-            try:
-                if channel is None:
-                    channel = self.transport.channel(dst)
-                seconds = channel.send(handoff, kv)
-            except Exception as e:   # this request's KV is not delivered; the thread serves the next
-                self._emit({"kind": "send_failed", "rid": handoff.request_id, "dst": dst,
-                            "reason": f"{type(e).__name__}: {e}"})
-                continue
-            finally:
-                del kv
-            self._emit({"kind": "sent", "rid": handoff.request_id, "dst": dst, "bytes": handoff.nbytes,
-                        "seconds": seconds, "start": start})
+def _node_id() -> str | None:
+    try:
+        import ray
+        # asking an uninitialized Ray for its context would start one (a Worker run in-process, in tests)
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
 
 
 def _node_ip() -> str:

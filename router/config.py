@@ -13,6 +13,8 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # a request unfinished by then ends failed: nothing hangs
     poll_timeout_s: float = 0.2       # longest a worker's long poll waits when it has nothing to say
     liveness_timeout_s: float = 5.0   # a poll unanswered this long past poll_timeout_s: the worker is frozen
+    clock_sync_s: float = 2.0         # re-estimate each worker's clock offset this often (nodes' clocks drift)
+    clock_probes: int = 8             # round trips per estimate; the shortest gives the offset (twice at start)
 
     def __post_init__(self):
         from router.policies import DECODE_POLICIES, PREFILL_POLICIES
@@ -24,7 +26,9 @@ class RouterConfig:
             raise ValueError(f"router.conditional_threshold={self.conditional_threshold} must be >= 0")
         if self.max_retries < 0:
             raise ValueError(f"router.max_retries={self.max_retries} must be >= 0")
-        for key in ("request_timeout_s", "poll_timeout_s", "liveness_timeout_s"):
+        if self.clock_probes < 1:
+            raise ValueError(f"router.clock_probes={self.clock_probes} must be >= 1")
+        for key in ("request_timeout_s", "poll_timeout_s", "liveness_timeout_s", "clock_sync_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"router.{key}={getattr(self, key)} must be positive")
 

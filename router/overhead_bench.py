@@ -6,7 +6,8 @@ Prints, from one run: the decode worker's own step time and inter-token latency 
 inter-token latency the router observes, and the handoff (first token on the prefill worker to
 the decode worker's first step with the request) next to the raw transfer time. Targets: the
 router adds under 1 ms per token at the median; the handoff adds under 2 ms beyond the transfer.
-Worker and router share one host here, so their wall clocks agree.
+Workers' times are read on the router's clock (router/clock.py); the router-observed times are the
+tokens' arrival times.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
             time.sleep(args.spacing_s)
         router.wait(timeout_s=300)
         router.close()
-        traces = pool.traces()
+        traces = router.traces()          # on the router's clock, like the records
     finally:
         pool.shutdown()
         stop_ray()
@@ -61,11 +62,11 @@ def main(argv=None) -> int:
     ok = [r for r in records if r.status == "ok"]
     # decode tokens only: from the decode worker's second token on (the first comes from prefill)
     worker_itl = [b - a for r in ok for a, b in zip(r.worker_token_times[1:], r.worker_token_times[2:])]
-    router_itl = [b - a for r in ok for a, b in zip(r.token_times[1:], r.token_times[2:])]
+    router_itl = [b - a for r in ok for a, b in zip(r.arrival_times[1:], r.arrival_times[2:])]
     added = [abs((rb - ra) - (wb - wa)) for r in ok
-             for ra, rb, wa, wb in zip(r.token_times[1:], r.token_times[2:], r.worker_token_times[1:],
+             for ra, rb, wa, wb in zip(r.arrival_times[1:], r.arrival_times[2:], r.worker_token_times[1:],
                                        r.worker_token_times[2:])]
-    delivery = [rt - wt for r in ok for rt, wt in zip(r.token_times, r.worker_token_times)]
+    delivery = [at - made for r in ok for at, made in zip(r.arrival_times, r.token_times)]
     steps = traces.get("decode:0", [])
     decode_steps = [s["end"] - s["start"] for s in steps if s["num_prefill_tokens"] == 0]
 

@@ -1,8 +1,11 @@
 """A request's journey: admission, choice of workers, the handoff, the token stream, retries.
 
-One thread per worker long-polls it and stamps every token with the router's clock when it
-arrives (so TTFT and inter-token latency are what a client sees); a watchdog thread times out
-lost transfers and overdue requests. All state is guarded by one lock.
+One thread per worker long-polls it. Every token carries two times on the router's clock: when it was
+made (the end of the worker's step that sampled it, converted from the worker's clock with an offset
+measured by min-RTT probes at start and every router.clock_sync_s, router/clock.py), and when it
+reached the router (what a client of the router sees; tokens of several steps that come back in one
+poll share it). TTFT, ITL and the other durations use the first; `arrival_times` keep the second.
+A watchdog thread times out lost transfers and overdue requests. All state is guarded by one lock.
 
 Each try of a request is an *attempt* with its own id on the workers ("<router>:<n>"); events of a
 superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
@@ -32,10 +35,11 @@ import ray
 
 from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
+from router.clock import WorkerClock, best_probe
 from router.config import FaultConfig, RouterConfig
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import RequestRecord
+from router.records import RequestRecord, StreamUpdate
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
 MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
@@ -53,8 +57,8 @@ class Attempt:
     prompt_len: int                # prompt + tokens streamed before this attempt
     submitted_at: float
     handoff_at: float | None = None             # router clock: first token in (set once it is)
-    first_token_worker_time: float | None = None
-    decode_start: float | None = None
+    first_token_time: float | None = None       # router clock: when the first token was made
+    decode_start: float | None = None           # router clock
     sent: bool = False                          # the prefill worker put the KV on the wire
     imported: bool = False                      # the decode worker has it (may be known before
     num_tokens: int = 0                         # the first token: the workers report separately)
@@ -91,28 +95,36 @@ class Router:
         self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
         self._num_attempts = 0
         self._degraded: set[str] = set()      # notes of degraded serving already logged
+        self.clocks = {w.rank: WorkerClock() for w in pool.workers}   # offset 0 until probed
+        self._names = {w.rank: w.name for w in pool.workers}           # still known once the pool is shut down
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> "Router":
+        for w in self.pool.workers:           # each worker's clock before any token
+            self._sync_clock(w, 2 * self.cfg.clock_probes)
         for w in self.pool.workers:
             self._spawn(self._poll_loop, w, name=f"poll-{w.name}")
         self._spawn(self._watchdog, name="router-watchdog")
+        self._spawn(self._clock_loop, name="router-clocks")
         if self._victim is not None:
             timer = threading.Timer(self.faults.kill_after_s, self._kill_victim)
             timer.daemon = True
             timer.start()
         return self
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict) -> RequestRecord:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict,
+               arrival_s: float | None = None) -> RequestRecord:
         """Admit one request (`params` a SamplingParams or its dict). A request that breaks the rules or
-        could never fit is recorded as failed with a reason naming the field, and no worker sees it."""
+        could never fit is recorded as failed with a reason naming the field, and no worker sees it.
+        `arrival_s` (router clock; default now): when it reached the system, if a front end saw it first."""
         with self._lock:
             key = request_id if isinstance(request_id, str) else str(request_id)
             if key in self.records:
                 raise InvalidRequest(request_id, "a request with this id was already submitted")
             max_tokens = params.get("max_tokens") if isinstance(params, dict) else getattr(params, "max_tokens", 0)
             rec = RequestRecord(key, list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [],
-                                max_tokens if isinstance(max_tokens, int) else 0, self.clock())
+                                max_tokens if isinstance(max_tokens, int) else 0,
+                                self.clock() if arrival_s is None else arrival_s)
             self.records[rec.id] = rec
             try:
                 params = validate_request(request_id, prompt_ids, params, self.vocab_size, self.max_model_len)
@@ -140,7 +152,8 @@ class Router:
         return True
 
     def stream(self, request_id: str):
-        """Yield (token, router time) as they arrive, until the request ends."""
+        """Yield (token, when it was made on the router's clock) as tokens arrive, until the request ends.
+        The times are the steps' ends, so tokens of several steps that arrive together keep their gaps."""
         seen = 0
         with self._lock:
             rec = self.records[request_id]
@@ -152,6 +165,56 @@ class Router:
                     return
                 self._lock.wait(1.0)
 
+    def follow(self, seen: dict[str, int], timeout_s: float) -> dict[str, StreamUpdate]:
+        """What the requests in `seen` (id -> tokens already taken) did since: new tokens on the router's
+        clock, and whether each has ended. Waits up to `timeout_s` for a change when there is none yet;
+        an id not (or no longer) known ends at once. For a front end that follows many streams at once."""
+        with self._lock:
+            out = self._updates(seen)
+            if not out:
+                self._lock.wait(timeout_s)
+                out = self._updates(seen)
+            return out
+
+    def _updates(self, seen: dict[str, int]) -> dict[str, StreamUpdate]:
+        out = {}
+        for rid, n in seen.items():
+            rec = self.records.get(rid)
+            if rec is None:
+                out[rid] = StreamUpdate([], [], True)
+            elif len(rec.output_ids) > n or rec.done:
+                out[rid] = StreamUpdate(rec.output_ids[n:], rec.token_times[n:], rec.done)
+        return out
+
+    def abort(self, request_id: str, reason: str = "aborted", finish_reason: str | None = None) -> bool:
+        """End a pending request now: its workers drop it and free its KV (in flight too), and its record
+        ends failed with `reason`, or ok with `finish_reason` when the caller has all it wanted (a stop
+        string it matched itself). False if it had already ended (or is unknown)."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or rec.done:
+                return False
+            for att in [a for a in self._attempts.values() if a.record is rec]:
+                self._drop(att)
+            if finish_reason is not None and rec.token_times:
+                rec.status, rec.finish_reason, rec.end_time = "ok", finish_reason, rec.token_times[-1]
+            else:
+                rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+            log.info("request %s %s", rec.id, reason)
+            self._lock.notify_all()
+            return True
+
+    def forget(self, request_id: str) -> RequestRecord | None:
+        """Drop an ended request's record (a long-running front end keeps only what is in flight);
+        returns it, or None when it is unknown or still pending."""
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None or not rec.done:
+                return None
+            del self.records[request_id]
+            self._params.pop(request_id, None)
+            return rec
+
     def progress(self) -> dict:
         with self._lock:
             recs = list(self.records.values())
@@ -162,6 +225,25 @@ class Router:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=self.cfg.poll_timeout_s + 5)
+
+    def on_router_clock(self, worker: WorkerHandle, t: float) -> float:
+        """A time read on `worker`'s clock, on the router's."""
+        return self.clocks[worker.rank].to_router(t)
+
+    def traces(self) -> dict[str, list[dict]]:
+        """The workers' engine steps (pool.traces()) with `start` and `end` on the router's clock."""
+        by_name = {w.name: w for w in self.pool.workers}
+        traces = self.pool.traces()
+        with self._lock:                      # the clock thread may be updating an estimate
+            return {name: [{**s, "start": self.on_router_clock(by_name[name], s["start"]),
+                            "end": self.on_router_clock(by_name[name], s["end"])} for s in steps]
+                    for name, steps in traces.items()}
+
+    def clock_report(self) -> dict[str, dict]:
+        """Each worker's clock offset in use, its error bound and the probe round trip (metrics.json)."""
+        now = self.clock()
+        with self._lock:
+            return {self._names[rank]: clock.report(now) for rank, clock in self.clocks.items()}
 
     # -- dispatch -------------------------------------------------------------------------------
     def _dispatch(self, rec: RequestRecord) -> None:
@@ -261,14 +343,18 @@ class Router:
         elif kind == "sent":
             att.sent = True
             rec = att.record
-            rec.transfer_s, rec.transfer_bytes, rec.kv_send_start = ev["seconds"], ev["bytes"], ev["start"]
+            rec.transfer_s, rec.transfer_bytes = ev["seconds"], ev["bytes"]
+            rec.kv_send_start = self.on_router_clock(w, ev["start"])
         elif kind == "imported":
             att.imported = True
-            att.record.kv_arrived = ev["arrived"]
+            att.record.kv_arrived = self.on_router_clock(w, ev["arrived"])
+            if ev.get("prefill_end") is not None:            # stamped by the prefill worker's clock
+                att.record.prefill_end = self.on_router_clock(att.prefill, ev["prefill_end"])
         elif kind in ("send_failed", "import_failed") and att.kind == "handoff":
             self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
 
     def _on_step(self, w: WorkerHandle, ev: dict, now: float) -> None:
+        ev = {**ev, "made": self.on_router_clock(w, ev["end"])}
         for aid, token, finish in ev["tokens"]:
             att = self._attempts.get(aid)
             if att is None:
@@ -285,25 +371,30 @@ class Router:
         self._lock.notify_all()
 
     def _on_token(self, att: Attempt, w: WorkerHandle, token: int, finish, ev: dict, now: float) -> None:
-        rec, end = att.record, ev["end"]
+        """`ev["made"]`: the step's end on the router's clock; `now`: when its poll reply came in."""
+        rec, made = att.record, ev["made"]
         rec.output_ids.append(token)
-        rec.token_times.append(now)
-        rec.worker_token_times.append(end)
+        rec.token_times.append(made)
+        rec.arrival_times.append(now)
+        rec.worker_token_times.append(ev["end"])
+        rec.token_workers.append(w.name)
         att.num_tokens += 1
         self.loads[att.decode.rank].kv_tokens += 1
         started = ev["first_scheduled"].get(att.aid)
+        if started is not None:
+            started = self.on_router_clock(w, started)
         if att.phase == "prefill":
             if started is not None:
-                rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
+                rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), made - started
             self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-            att.handoff_at, att.first_token_worker_time = now, end
+            att.handoff_at, att.first_token_time = now, made
             if finish != "handoff":
-                att.decode_start = end
+                att.decode_start = made
         elif started is not None and att.kind == "handoff":   # decode worker's first step with it
             att.decode_start = started
-            rec.handoff_s = started - att.first_token_worker_time
+            rec.handoff_s = started - att.first_token_time
         if finish in ("length", "stop"):
-            rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+            rec.decode_s = made - att.decode_start if att.decode_start is not None else 0.0
             self._finish(att, finish)
 
     def _on_dead(self, w: WorkerHandle, reason: str) -> None:
@@ -359,6 +450,34 @@ class Router:
                             self._on_event(w, ev, now)
                         except Exception:   # a router bug must not silence this worker's stream
                             log.exception("router error on %s event from %s", ev.get("kind"), w.name)
+
+    def _sync_clock(self, w: WorkerHandle, probes: int) -> None:
+        """One round of clock probes of `w`; its best goes to the worker's WorkerClock. A worker that
+        does not answer keeps its estimate (its poll loop finds out why)."""
+        answers = []
+        for _ in range(probes):
+            if not w.alive or self._stop.is_set():
+                break
+            t_send = self.clock()
+            try:
+                worker_time = ray.get(w.actor.clock.remote(), timeout=self.cfg.liveness_timeout_s)
+            except ray.exceptions.RayError:     # dead or frozen: the poll loop handles it
+                break
+            answers.append((t_send, worker_time, self.clock()))
+        if answers:
+            sample = best_probe(answers)
+            with self._lock:
+                self.clocks[w.rank].update(sample, self.clock())
+
+    def _clock_loop(self) -> None:
+        """Re-estimate every worker's clock offset every router.clock_sync_s (clocks of nodes drift)."""
+        while not self._stop.wait(self.cfg.clock_sync_s):
+            for w in self.pool.workers:
+                if w.alive:
+                    try:
+                        self._sync_clock(w, self.cfg.clock_probes)
+                    except Exception:        # a router bug must not stop the other workers' estimates
+                        log.exception("clock probe of %s failed", w.name)
 
     def _watchdog(self) -> None:
         while not self._stop.wait(0.05):

@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from cluster.transfer.base import TransferConfig, TransferRefused
-from cluster.transfer.nccl_transport import REPLY_BYTES, NcclTransport, _refusal
-from cluster.transfer.wire import Expect, KVHandoff
+from cluster.transfer.base import Begin, End, Part, TransferConfig, TransferRefused, send
+from cluster.transfer.nccl_transport import BEGIN, PART, REPLY_BYTES, NcclTransport, _refusal
+from cluster.transfer.wire import Expect, KVHandoff, PartMeta
 
-CFG = TransferConfig(backend="nccl", timeout_s=5.0, max_frame_bytes=2 * 10240, max_pending_bytes=60 * 1024)
+CFG = TransferConfig(backend="nccl", timeout_s=5.0, max_frame_bytes=2 * 10240, max_pending_bytes=100 * 1024)
 EXPECT = Expect(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float32", vocab_size=2048, max_tokens=4096,
                 max_frame_bytes=CFG.max_frame_bytes)
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop_token_ids": [], "ignore_eos": True}
@@ -31,46 +31,61 @@ def kv_for(n: int, rid: str) -> torch.Tensor:
 
 
 def handoff(rid: str, n: int, **params) -> KVHandoff:
-    return KVHandoff(rid, list(range(n)), 7, 1.0, {**PARAMS, **params}, "float32", (4, 2, n, 4, 32))
+    return KVHandoff(rid, list(range(n)), {**PARAMS, **params}, "float32", (4, 2, n, 4, 32))
 
 
 def attacker(t: NcclTransport) -> dict:
     group, seen = t.groups[(0, 1)], {}
 
-    def raw(header: bytes, layers: int) -> str | None:
-        dist.send(torch.tensor([len(header), layers], dtype=torch.int64), 1, group=group)
-        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), 1, group=group)
+    def message(kind: int, meta: bytes, payload: int = 0) -> None:
+        dist.send(torch.tensor([kind, len(meta), payload], dtype=torch.int64), 1, group=group)
+        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 1, group=group)
+        if payload:
+            dist.send(torch.zeros(payload, dtype=torch.uint8), 1, group=group)
+
+    def begin(header: bytes) -> str | None:
+        message(BEGIN, header)
         reply = torch.empty(REPLY_BYTES, dtype=torch.uint8)
         dist.recv(reply, 1, group=group)
         return _refusal(reply)
 
-    seen["garbage"] = raw(b"\xc1\xff\x00not msgpack", 1)
-    seen["poison"] = raw(handoff("cold#1", 10, temperature=1e-40).encode(), 1)
-    seen["frame"] = raw(handoff("wide#1", 10).encode(), 4)      # 4 layers per frame: 40 KiB > 20 KiB
+    seen["garbage"] = begin(b"\xc1\xff\x00not msgpack")
+    seen["poison"] = begin(handoff("cold#1", 10, temperature=1e-40).encode())
+    seen["bent"] = begin(handoff("bent#1", 10).encode())                       # accepted ...
+    message(PART, PartMeta("bent#1", 0, 1, 0, 10).encode(), payload=1000)     # ... then a part of the wrong size
     channel = t.channel(1)
     sent = {}
-    for rid, n in [("multi#1", 10), ("huge#1", 30), ("over#1", 20), ("after#1", 3)]:
+    for rid, n in [("multi#1", 10), ("huge#1", 24), ("over#1", 40), ("after#1", 3)]:
         try:
-            channel.send(handoff(rid, n), kv_for(n, rid))
+            send(channel, handoff(rid, n), kv_for(n, rid), first_token=7, first_token_time=1.0)
             sent[rid] = "sent"
         except TransferRefused as e:
             sent[rid] = f"refused: {e}"
     seen["sent"] = sent
     time.sleep(0.5)                       # let "after#1" be released before the stream breaks
-    dist.send(torch.tensor([(1 << 20) + 1, 1], dtype=torch.int64), 1, group=group)   # breaks the protocol
+    dist.send(torch.tensor([PART, 10, (1 << 20) + 1], dtype=torch.int64), 1, group=group)   # breaks the protocol
     return seen
 
 
 def receiver(t: NcclTransport) -> dict:
-    got, problems = [], []
+    got, problems, parts = [], [], {}
 
-    def deliver(a):
-        kv = a.parts[0][1]
-        rid = a.handoff.request_id
-        got.append({"rid": rid, "intact": bool(torch.equal(kv, kv_for(kv.shape[2], rid))), "nbytes": a.nbytes})
-        a.release()
+    def deliver(d):
+        if isinstance(d, Begin):
+            parts[d.handoff.request_id] = (d.handoff, [])
+        elif isinstance(d, Part):
+            parts[d.request_id][1].append((d.first_layer, d.start, d.kv.clone()))
+            d.release()
+        elif isinstance(d, End):
+            h, ps = parts.pop(d.request_id)
+            kv = torch.full(h.shape, float("nan"))
+            for l0, t0, part in ps:
+                kv[l0:l0 + part.shape[0], :, t0:t0 + part.shape[2]] = part
+            got.append({"rid": d.request_id, "intact": bool(torch.equal(kv, kv_for(h.shape[2], d.request_id))),
+                        "nbytes": d.nbytes, "frames": len(ps)})
 
-    t.start_receiving(EXPECT, deliver, lambda p: problems.append({"reason": p.reason, "fatal": p.fatal}))
+    t.start_receiving(EXPECT, deliver, lambda p: problems.append({"reason": p.reason, "fatal": p.fatal,
+                                                                  "rid": p.request_id}))
     for thread in t._threads:
         thread.join(60)
     return {"got": got, "problems": problems, "pending_bytes": t.pending_bytes,

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from cluster.pool import WorkerPool, bundle_order
 from cluster.ray_cluster import ClusterError
 from cluster.transfer.base import TransferConfig
 from router.config import FaultConfig, RouterConfig
+from router.records import StreamUpdate
 from router.router import Router
 from tests.conftest import ROOT, random_prompts
 from workers.config import EngineConfig
@@ -58,9 +60,11 @@ def greedy(n=MAX_TOKENS):
 
 
 def start_pool(mode="disaggregated", backend="zmq", prefill=1, decode=1, workers=2, engine=ENGINE,
-               transfer=None, **cluster):
+               transfer=None, cpus_per_worker=0, **cluster):
+    """cpus_per_worker=0: no Ray CPUs reserved, so that pools can coexist on the 2 CPUs ray_session declares
+    (the `colocated` pool reserves them, as cluster.cpus_per_worker=auto does by default)."""
     cfg = ClusterConfig(mode=mode, prefill_workers=prefill, decode_workers=decode, workers=workers,
-                        log_to_driver=False, **cluster)
+                        log_to_driver=False, cpus_per_worker=cpus_per_worker, **cluster)
     return WorkerPool(cfg, SPEC, engine, transfer or TransferConfig(backend=backend)).start()
 
 
@@ -86,7 +90,7 @@ def disagg(request):
 
 @pytest.fixture(scope="module")
 def colocated():
-    pool = start_pool(mode="colocated", workers=2)
+    pool = start_pool(mode="colocated", workers=2, cpus_per_worker="auto")
     yield pool
     pool.shutdown()
 
@@ -104,6 +108,24 @@ def test_disaggregated_matches_colocated_and_counts_bytes(disagg, colocated, ref
         assert len(rec.token_times) == MAX_TOKENS and rec.token_times == sorted(rec.token_times)
         assert rec.ttft_s > 0 and rec.e2e_s >= rec.ttft_s
     assert all(r.transfer_bytes == 0 for r in col)
+
+
+@pytest.mark.parametrize("backend,stream,budget", [("zmq", "layer", 256), ("nccl", "layer", 256), ("zmq", "chunk", 64)])
+def test_streamed_kv_continues_identically(backend, stream, budget, reference):
+    """KV streamed layer by layer as the prefill computes it (or chunk by chunk, prompts prefilled in
+    64-token chunks) gives the tokens of never moving it; its last byte lands within the transfer."""
+    transfer = TransferConfig(backend=backend, max_frame_bytes=FRAME_BYTES, stream=stream)
+    prefill = ENGINE.replace(role="prefill", token_budget=budget, policy="chunked")
+    pool = start_pool(engine={"prefill": prefill, "decode": DECODE_ENGINE.replace(role="decode")}, transfer=transfer)
+    try:
+        records = serve(pool, transfer=transfer)
+    finally:
+        pool.shutdown()
+    assert [r.output_ids for r in records] == reference
+    for rec, prompt in zip(records, PROMPTS):
+        assert rec.status == "ok" and rec.attempts == 1
+        assert rec.transfer_bytes == KV_BYTES_PER_TOKEN * len(prompt)
+        assert rec.kv_arrived is not None and rec.prefill_end is not None
 
 
 def test_never_fit_request_rejected_before_any_prefill(disagg, reference):
@@ -302,7 +324,93 @@ def test_stream_yields_tokens_as_recorded(colocated):
     router.close()
     assert [t for t, _ in streamed] == rec.output_ids and len(streamed) == 20
     times = [t for _, t in streamed]
-    assert times == sorted(times) and times[0] >= rec.arrival_s
+    assert times == rec.token_times and times == sorted(times) and times[0] >= rec.arrival_s
+
+
+def test_no_gap_between_colocated_tokens_is_shorter_than_half_a_step(colocated):
+    check_gaps_under_a_busy_router(colocated)
+
+
+def test_no_gap_between_disaggregated_tokens_is_shorter_than_half_a_step(disagg):
+    check_gaps_under_a_busy_router(disagg)
+
+
+def check_gaps_under_a_busy_router(pool):
+    """The router is kept too busy to poll on time (its lock held 100 ms in every 105), so poll replies
+    carry several steps: their tokens arrive together (client gaps of exactly 0), yet each token's time
+    is the end of the step that made it, so a gap is never shorter than half the fastest step of the
+    worker that made the later token."""
+    router = Router(pool).start()
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            with router._lock:
+                time.sleep(0.1)
+            time.sleep(0.005)
+    records = [router.submit(f"gap{i}", p, greedy(16)) for i, p in enumerate(PROMPTS[:3])]
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        assert router.wait(90), router.progress()
+    finally:
+        stop.set()
+        hog.join()
+        router.close()
+    start, end = min(r.arrival_s for r in records), max(r.end_time for r in records)
+    steps = {name: [s for s in trace if start <= s["end"] <= end] for name, trace in router.traces().items()}
+    fastest = {name: min(s["end"] - s["start"] for s in trace) for name, trace in steps.items() if trace}
+    ends = {name: {s["end"] for s in trace} for name, trace in steps.items()}
+    for rec in records:
+        assert rec.status == "ok" and len(rec.token_times) == 16, rec.reason
+        assert all(t in ends[w] for t, w in zip(rec.token_times, rec.token_workers)), "a token's time is a step end"
+        for gap, worker in zip(rec.itl_s, rec.token_workers[1:]):
+            assert gap >= fastest[worker] / 2, (rec.id, worker, gap, fastest[worker])
+    assert any(g == 0.0 for r in records for g in r.client_itl_s), "replies were meant to carry several steps"
+    assert all(r.client_ttft_s >= r.ttft_s for r in records), "a token reaches the router after it is made"
+    for name, c in router.clock_report().items():   # one host, one clock: the true offset is 0
+        assert c["rounds"] >= 1 and abs(c["offset_ms"]) <= c["error_ms"], (name, c)
+
+
+def test_workers_run_on_cores_of_their_own(colocated):
+    """cluster.cpus_per_worker=auto with 2 workers on 2 Ray CPUs: one core each. Read back from outside:
+    every thread of each worker process (after serving, so torch's threads exist) may run on its cores alone."""
+    serve(colocated, prompts=PROMPTS[:2])
+    iso = colocated.isolation
+    node = colocated.workers[0].info["node_cores"]
+    assert iso["workers"] == 2 and iso["cores"] == len(node) and iso["cpus_per_worker"] == 1
+    for w in colocated.workers:
+        threads = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{w.info['pid']}/task")}
+        assert all(cores == w.info["cores"] for cores in threads.values()), (w.name, threads)
+        inside = ray.get(w.actor.affinity.remote())
+        assert all(cores == w.info["cores"] for cores in inside.values()), (w.name, inside)
+    if len(node) >= 2:
+        a, b = (w.info["cores"] for w in colocated.workers)
+        assert iso["dedicated"] and len(a) == len(b) == 1 and not set(a) & set(b), iso
+        assert all(w.info["torch_threads"] == 1 for w in colocated.workers)
+        assert [p["cores"] for p in iso["per_worker"]] == [a, b]
+    else:
+        assert not iso["dedicated"] and "2 workers on 1 cores" in iso["reason"]
+
+
+def test_abort_frees_kv_and_follow_sees_the_end(colocated):
+    router = Router(colocated).start()
+    rec = router.submit("long", PROMPTS[1], greedy(3000), arrival_s=time.time() - 5.0)   # a front end saw it first
+    seen, deadline = 0, time.monotonic() + 30
+    while seen < 3 and time.monotonic() < deadline:            # follow it until it is decoding
+        seen += len(router.follow({"long": seen}, 0.5).get("long", StreamUpdate([], [], False)).token_ids)
+    worker = colocated.find(rec.prefill_worker)
+    assert seen >= 3 and ray.get(worker.actor.stats.remote())["num_blocks_used"] > 0 and rec.ttft_s >= 5.0
+    assert router.abort("long", "aborted: test") and not router.abort("long")
+    assert rec.status == "failed" and rec.reason == "aborted: test" and len(rec.output_ids) < 3000
+    assert router.follow({"long": seen}, 0.1)["long"].done
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ray.get(worker.actor.stats.remote())["num_blocks_used"]:
+        time.sleep(0.05)
+    assert ray.get(worker.actor.stats.remote())["num_blocks_used"] == 0
+    assert router.forget("long") is rec and "long" not in router.records and router.forget("long") is None
+    assert router.follow({"long": 0}, 0.1)["long"].done          # forgotten: ended, for a follower
+    router.close()
 
 
 def test_bad_requests_rejected_at_router_alone(colocated, reference):
@@ -329,8 +437,12 @@ def test_transfer_timeout_is_recovered(disagg, reference):
     assert all(r.status == "ok" for r in records)
 
 
-def test_killed_decode_worker_loses_no_request():
-    pool = start_pool(prefill=1, decode=2)
+def test_killed_decode_worker_loses_no_request(caplog):
+    pool = start_pool(prefill=1, decode=2, cpus_per_worker="auto")
+    # 3 workers on the 2 CPUs ray_session declares: nothing reserved, and the pool says what that means
+    assert pool.isolation["cpus_per_worker"] == 0 and not pool.isolation["dedicated"]
+    assert "workers share cores; differences between modes are confounded" in caplog.text
+    assert all(p["cores"] == pool.workers[0].info["cores"] for p in pool.isolation["per_worker"])
     try:
         # a dense stream of long generations, so requests are decoding on decode:0 when it dies
         records = serve(pool, prompts=PROMPTS * 4, faults=FaultConfig(kill_worker="decode:0", kill_after_s=1.0),

@@ -118,9 +118,9 @@ def test_handoff_survives_failed_exports_and_imports(live, monkeypatch):
     address = decode.zmq_bind(cfg, "127.0.0.1")
     prefill.zmq_connect(cfg, {1: address})
     decode.start_receiving(cfg.max_frame_bytes)
-    real_export, real_import = prefill.engine.export_kv, decode.engine.cache.import_part
-    monkeypatch.setattr(prefill.engine, "export_kv",
-                        lambda rid: (_ for _ in ()).throw(RuntimeError("export broke")) if rid == "g1" else real_export(rid))
+    real_read, real_import = prefill.out._read_part, decode.engine.cache.import_part
+    monkeypatch.setattr(prefill.out, "_read_part",  # the sender thread reading g1's KV out of the pool
+                        lambda item: (_ for _ in ()).throw(RuntimeError("export broke")) if item.rid == "g1" else real_read(item))
 
     def import_part(block_ids, n, *part):
         if n == len(PROMPTS[2]):

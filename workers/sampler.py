@@ -37,8 +37,11 @@ class SampleFailure:
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | SampleFailure]:
     """logits [N, V] float32, one row per request -> N token ids (or a SampleFailure for a row that
     cannot be sampled: non-finite logits, or an error in that row's sampling)."""
-    tokens = logits.argmax(dim=-1).tolist()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()          # [N]
+    best, tokens = logits.max(dim=-1)                             # one pass: the greedy token and its logit
+    tokens = tokens.tolist()
+    # a NaN anywhere in a row makes its max NaN, a +inf makes it inf, and a row of -inf has max -inf:
+    # the max is finite exactly when the row can be sampled
+    finite = torch.isfinite(best).tolist()                        # [N]
     for i, req in enumerate(requests):
         p = req.params
         if not finite[i]:

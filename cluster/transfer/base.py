@@ -1,27 +1,33 @@
 """The KV-transfer interface both wires implement, and the config that picks one.
 
-A sender worker owns one `Channel` per destination and uses it from one thread; a receiver
-worker starts receiving once and gets each complete request through a callback, as a list of
-(first layer, tensor) parts that together cover all layers: zero-copy views where the wire
-allows it. The receiving engine scatters them into its pool.
+A sender worker owns one `Channel` per destination and uses it from one thread: `begin` a request's
+transfer, send any number of `part`s (rectangles of layers x tokens, in any order), then `end` it
+with the first token, or `cancel` it. A receiver worker starts receiving once and gets, through one
+callback and in order per request, a `Begin`, each `Part` as it lands (a zero-copy view of a
+receive buffer, released once the engine has copied it into its pool), and an `End` (or a `Cancel`),
+so a decode worker places each layer into the request's blocks while the rest is still on its way.
 
-Limits are per frame, not per request: both wires send a request's KV in frames of whole layers,
-each at most `max_frame_bytes`; a request's total is bounded by the receiver's memory for KV in
-flight (`max_pending_bytes`) and by the decode pool. Every problem a receive thread meets is
-reported as a `TransferProblem` (tied to its request when the request is known); the message is
-dropped and the thread goes on, unless it cannot (`fatal`: its worker then takes no more KV).
+Limits are per frame, not per request: a part is sent in frames of at most `max_frame_bytes`
+(whole layers where they fit, else runs of tokens of one layer); a request's total is bounded by
+the receiver's memory for KV in flight (`max_pending_bytes`) and by the decode pool. Every problem a
+receive thread meets is reported as a `TransferProblem` (tied to its request when the request is
+known); the message is dropped and the thread goes on, unless it cannot (`fatal`: its worker then
+takes no more KV).
 """
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
-from cluster.transfer.wire import Expect, KVHandoff
+from cluster.transfer.wire import CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError
 
 BACKENDS = ("nccl", "zmq")
+STREAMS = ("off", "layer", "chunk")
 
 
 class TransferTimeout(TimeoutError):
@@ -50,6 +56,9 @@ class TransferConfig:
     max_pending: int = 64               # zmq: transfers begun and not finished, at most
     bind_host: str = "auto"             # zmq: auto = loopback for a local cluster, else the node's IP
     port: int = 0                       # zmq: 0 = any free port
+    stream: str = "off"                 # off: KV after the prefill | layer: each layer as computed |
+                                        # chunk: each prompt chunk's KV once its step is done
+    stream_layers: int = 1              # layer: layers per streamed part (group small layers)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -57,30 +66,62 @@ class TransferConfig:
         if self.bind_host in ("0.0.0.0", "*", "::"):
             raise ValueError(f"transfer.bind_host={self.bind_host!r}: binding to all interfaces is refused; "
                              "give this node's address")
-        for key in ("timeout_s", "chunk_bytes", "max_frame_bytes", "max_pending_bytes", "max_pending"):
+        if self.stream not in STREAMS:
+            raise ValueError(f"transfer.stream={self.stream!r}: choose one of {list(STREAMS)}")
+        for key in ("timeout_s", "chunk_bytes", "max_frame_bytes", "max_pending_bytes", "max_pending",
+                    "stream_layers"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"transfer.{key}={getattr(self, key)} must be positive")
 
 
 @dataclass
-class Arrival:
+class Begin:
     handoff: KVHandoff
-    parts: list[tuple[int, torch.Tensor]]   # (first layer, [layers, 2, T, KVH, D]) covering all layers
-    nbytes: int
-    recv_s: float                           # first byte of the payload to the last
-    arrived: float                          # wall clock when the last byte was in
+
+
+@dataclass
+class Part:
+    request_id: str
+    first_layer: int
+    start: int
+    kv: torch.Tensor                         # [layers, 2, tokens, KVH, D], a view of a receive buffer
     release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
-    # the consumer calls release() once it no longer reads `parts` (the engine's import copies them):
-    # the transport then receives into that memory again. Without it the memory is simply freed.
+    # the consumer calls release() once it no longer reads `kv` (the engine's import copies it): the
+    # transport then receives into that memory again
 
 
-Deliver = Callable[[Arrival], None]
+@dataclass
+class End:
+    request_id: str
+    first_token: int
+    first_token_time: float                  # the prefill worker's clock
+    nbytes: int                              # of every part
+    recv_s: float                            # begin to the last byte of the last part
+    arrived: float                           # this worker's clock when the last byte was in
+
+
+@dataclass
+class Cancel:
+    request_id: str
+    reason: str
+
+
+Delivery = Begin | Part | End | Cancel
+Deliver = Callable[[Delivery], None]
 ReportProblem = Callable[[TransferProblem], None]
 
 
 class Channel(Protocol):
-    def send(self, handoff: KVHandoff, kv: torch.Tensor) -> float:
-        """Send one request's KV; returns seconds spent; raises on failure or timeout."""
+    def begin(self, handoff: KVHandoff) -> None:
+        """Start a request's transfer; raises TransferRefused when the receiver will not take it."""
+
+    def part(self, request_id: str, first_layer: int, start: int, kv: torch.Tensor) -> None:
+        """Layers [first_layer, ...) of tokens [start, ...) of a begun transfer."""
+
+    def end(self, request_id: str, first_token: int, first_token_time: float) -> None:
+        """Every part is sent; raises on failure or timeout."""
+
+    def cancel(self, request_id: str, reason: str) -> None: ...
 
 
 class Transport(Protocol):
@@ -91,6 +132,138 @@ class Transport(Protocol):
     def start_receiving(self, expect: Expect, deliver: Deliver, report: ReportProblem) -> None: ...
 
     def close(self) -> None: ...
+
+
+def send(channel: Channel, handoff: KVHandoff, kv: torch.Tensor, first_token: int = 0,
+         first_token_time: float = 0.0) -> float:
+    """A bulk handoff, the whole [L, 2, T, KVH, D] KV at once: begin, one part, end. Seconds spent."""
+    start = time.perf_counter()
+    channel.begin(handoff)
+    channel.part(handoff.request_id, 0, 0, kv)
+    channel.end(handoff.request_id, first_token, first_token_time)
+    return time.perf_counter() - start
+
+
+def frames(kv: torch.Tensor, first_layer: int, start: int, max_bytes: int) -> list[tuple[int, int, torch.Tensor]]:
+    """Split a part [layers, 2, tokens, KVH, D] into frames of at most `max_bytes`: (first layer,
+    first token, tensor), runs of whole layers where one fits, else runs of tokens of one layer."""
+    layer_bytes = kv[0].numel() * kv.element_size()
+    if layer_bytes <= max_bytes:
+        step = max_bytes // layer_bytes
+        return [(first_layer + l0, start, kv[l0:l0 + step]) for l0 in range(0, kv.shape[0], step)]
+    token_bytes = layer_bytes // kv.shape[2]
+    if token_bytes > max_bytes:
+        raise TransferRefused(f"one token of one layer is {token_bytes} bytes, more than transfer.max_frame_bytes="
+                              f"{max_bytes}")
+    step = max_bytes // token_bytes
+    return [(first_layer + l, start + t0, kv[l:l + 1, :, t0:t0 + step])
+            for l in range(kv.shape[0]) for t0 in range(0, kv.shape[2], step)]
+
+
+@dataclass
+class _Open:
+    handoff: KVHandoff
+    started: float                           # perf_counter at begin
+    active: float                            # perf_counter at the latest message
+    received: int = 0                        # bytes of parts in so far
+
+
+class Inbound:
+    """A receiver's book of transfers under way: every message checked against its transfer's header
+    and the receiver's limits. Shared by both wires' receive threads (one lock)."""
+
+    def __init__(self, cfg: TransferConfig, buffers: "RecvBuffers"):
+        self.cfg = cfg
+        self.buffers = buffers
+        self.open: dict[str, _Open] = {}
+        self._dropped: OrderedDict[str, None] = OrderedDict()   # reported once: late messages go quietly
+        self._lock = threading.Lock()
+
+    def begin(self, handoff: KVHandoff, expect: Expect) -> Begin:
+        rid = handoff.request_id
+        with self._lock:
+            if rid in self.open:
+                self.open.pop(rid)
+                self._forget(rid)
+                raise WireError("a second begin for a transfer already under way; both dropped", rid)
+            layer_bytes = handoff.nbytes // handoff.shape[0]
+            if len(self.open) >= self.cfg.max_pending:
+                raise WireError(f"refused, {len(self.open)} transfers already incomplete "
+                                f"(transfer.max_pending={self.cfg.max_pending})", rid)
+            coming = sum(o.handoff.nbytes - o.received for o in self.open.values())
+            if self.buffers.outstanding + coming + handoff.nbytes > self.cfg.max_pending_bytes:
+                raise WireError(f"refused, {handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
+                                f"{self.cfg.max_pending_bytes} ({self.buffers.outstanding + coming} in use or "
+                                "on their way)", rid)
+            now = time.perf_counter()
+            self.open[rid] = _Open(handoff, now, now)
+            self._dropped.pop(rid, None)
+        return Begin(handoff)
+
+    def quiet(self, rid: str) -> bool:
+        """A message for a transfer already dropped and reported: to be skipped without a word."""
+        return rid in self._dropped
+
+    def part(self, meta: PartMeta, max_frame_bytes: int) -> tuple[KVHandoff, int]:
+        """Check a part before its bytes are received: -> (its transfer's header, its size)."""
+        with self._lock:
+            o = self.open.get(meta.request_id)
+            if o is None:
+                raise WireError(f"part for unknown request {meta.request_id!r}")   # nothing under way to fail
+            meta.check(o.handoff)
+            size = meta.nbytes(o.handoff)
+            if size > max_frame_bytes:
+                raise WireError(f"part of {size} bytes exceeds the frame limit {max_frame_bytes}", meta.request_id)
+            if o.received + size > o.handoff.nbytes:
+                raise WireError(f"parts of more than the {o.handoff.nbytes} bytes announced", meta.request_id)
+            return o.handoff, size
+
+    def received(self, rid: str, nbytes: int) -> None:
+        with self._lock:
+            o = self.open[rid]
+            o.received += nbytes
+            o.active = time.perf_counter()
+
+    def end(self, meta: EndMeta) -> End:
+        with self._lock:
+            o = self.open.get(meta.request_id)
+            if o is None:
+                raise WireError(f"end for unknown request {meta.request_id!r}")
+            if o.received != o.handoff.nbytes:
+                raise WireError(f"end after {o.received} of {o.handoff.nbytes} bytes", meta.request_id)
+            del self.open[meta.request_id]
+            now = time.perf_counter()
+        return End(meta.request_id, meta.first_token, meta.first_token_time, o.received, now - o.started, time.time())
+
+    def cancel(self, meta: CancelMeta) -> Cancel | None:
+        with self._lock:
+            if self.open.pop(meta.request_id, None) is None:
+                return None
+        return Cancel(meta.request_id, meta.reason)
+
+    def drop(self, rid: str | None) -> bool:
+        """Forget a transfer after an error in one of its messages; True if it was under way."""
+        if rid is None:
+            return False
+        with self._lock:
+            was = self.open.pop(rid, None) is not None
+            self._forget(rid)
+        return was
+
+    def stale(self) -> list[str]:
+        """Transfers with no message for `timeout_s`: dropped, their ids returned."""
+        now = time.perf_counter()
+        with self._lock:
+            old = [rid for rid, o in self.open.items() if now - o.active > self.cfg.timeout_s]
+            for rid in old:
+                del self.open[rid]
+                self._forget(rid)
+        return old
+
+    def _forget(self, rid: str) -> None:
+        self._dropped[rid] = None
+        while len(self._dropped) > 4096:
+            self._dropped.popitem(last=False)
 
 
 class RecvBuffers:
@@ -126,18 +299,3 @@ class RecvBuffers:
         """A callback that gives `buf` back once; later calls do nothing."""
         once = [buf]
         return lambda: once and self.give_back(once.pop())
-
-
-def layer_chunks(kv: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Split [layers, ...] into runs of whole layers of at most chunk_bytes (at least one layer)."""
-    per_layer = kv[0].numel() * kv.element_size()
-    step = max(1, chunk_bytes // max(per_layer, 1))
-    return [(l0, min(l0 + step, kv.shape[0])) for l0 in range(0, kv.shape[0], step)]
-
-
-def check_frame(kv: torch.Tensor, max_frame_bytes: int) -> None:
-    """Sender side: refuse, before sending a byte, a payload whose single layer exceeds a frame."""
-    per_layer = kv[0].numel() * kv.element_size()
-    if per_layer > max_frame_bytes:
-        raise TransferRefused(f"one layer of this KV is {per_layer} bytes, more than transfer.max_frame_bytes="
-                              f"{max_frame_bytes}")

@@ -2,26 +2,29 @@
 
 All transfer workers join one process group through a TCP store hosted by the driver (so losing
 any worker never takes the rendezvous with it). Every prefill/decode pair gets its own two-rank
-group, so each pair's stream is independent of the others. Per request:
+group, so each pair's stream is independent of the others. The stream is a sequence of messages,
+each a preamble int64[3] = [kind, meta bytes, payload bytes], the meta (msgpack, wire.py), and for
+a part its payload:
 
-    sender -> receiver   preamble int64[2] = [header bytes, layers per frame]
-    sender -> receiver   header uint8[...] (msgpack KVHandoff)
-    receiver -> sender   reply uint8[REPLY_BYTES]: b"\\x00" accepted, or b"\\x01" + the reason (utf-8)
-    sender -> receiver   (accepted only) frames uint8[...]: runs of `layers per frame` whole layers
+    begin   sender -> receiver: [BEGIN, n, 0], header;  receiver -> sender: reply uint8[REPLY_BYTES]
+            (b"\x00" accepted, or b"\x01" + the reason, utf-8)
+    part    [PART, n, bytes], part header, payload (one frame, at most max_frame_bytes)
+    end     [END, n, 0], end;   cancel  [CANCEL, n, 0], cancel;   close  [CLOSE, 0, 0]
 
-Limits are per frame: each frame is at most `max_frame_bytes` (the sender makes frames that large;
-it refuses, before sending anything, a KV whose single layer is larger), so a request's KV is
-bounded only by the receiver's memory for KV (`max_pending_bytes`) and its pool. The receiver checks
-the header and the frame layout before it allocates a byte and refuses what it cannot take; the
-sender raises the refusal against its request at once, and the stream stays in step because no
-payload follows a refusal. A preamble of [0, 0] ends the stream (the sender's `close`). A preamble
-that breaks the protocol leaves the stream untrusted: that receive thread stops and reports a fatal
-problem (its worker takes no more KV).
+Limits are per frame: the sender splits a part into frames of at most `max_frame_bytes` (whole
+layers where they fit, else runs of tokens), so a request's KV is bounded only by the receiver's
+memory for KV (`max_pending_bytes`) and its pool. The receiver checks a header before it allocates
+a byte and refuses what it cannot take: the refusal reaches the sender's `begin` at once. A part
+that does not fit its transfer is reported against its request and its payload drained, keeping the
+stream in step. A preamble that breaks the protocol (an unknown kind, a meta or payload past its
+limit) leaves the stream untrusted: that receive thread stops and reports a fatal problem (its
+worker takes no more KV).
 
 An idle receiver waits for the next preamble without a deadline (gloo would otherwise time out an
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
-(pool.py), and gloo/NCCL use the network interface that carries it.
+(pool.py), and gloo/NCCL use the network interface that carries it. On a GPU each channel and
+receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine.
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from cluster.transfer.base import Arrival, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, check_frame
-from cluster.transfer.wire import MAX_HEADER_BYTES, WIRE_DTYPES, Expect, KVHandoff, WireError, decode_header
+from cluster.transfer.base import Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, frames
+from cluster.transfer.wire import (MAX_HEADER_BYTES, WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta,
+                                   WireError, decode_cancel, decode_end, decode_header, decode_part)
 
 REPLY_BYTES = 512
 IDLE_WAIT = datetime.timedelta(days=7)       # a receiver waits for the next request this long
@@ -91,8 +95,7 @@ def _refusal(reply: torch.Tensor) -> str | None:
     return None if data[0] == 0 else data[1:].rstrip(b"\x00").decode(errors="replace")
 
 
-def frame_layers(layer_bytes: int, max_frame_bytes: int) -> int:
-    return max(1, max_frame_bytes // max(layer_bytes, 1))
+CLOSE, BEGIN, PART, END, CANCEL = range(5)
 
 
 class NcclChannel:
@@ -102,34 +105,42 @@ class NcclChannel:
         self.group = transport.groups[(transport.rank, dst)]
         _own_stream(transport.device)   # channels are made and used in their sender thread
 
-    def send(self, handoff: KVHandoff, kv: torch.Tensor) -> float:
-        dev, limit = self.t.device, self.t.cfg.max_frame_bytes
-        check_frame(kv, limit)
+    def _message(self, kind: int, meta: bytes, payload: torch.Tensor | None = None) -> None:
+        dev = self.t.device
+        size = 0 if payload is None else payload.numel() * payload.element_size()
+        dist.send(torch.tensor([kind, len(meta), size], dtype=torch.int64, device=dev), self.dst, group=self.group)
+        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), self.dst, group=self.group)
+        if payload is not None:
+            dist.send(payload.contiguous().reshape(-1).view(torch.uint8), self.dst, group=self.group)
+
+    def begin(self, handoff: KVHandoff) -> None:
         encoded = handoff.encode()
         if len(encoded) > MAX_HEADER_BYTES:
             raise TransferRefused(f"header of {len(encoded)} bytes exceeds {MAX_HEADER_BYTES}")
-        header = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(dev)
-        layers = frame_layers(kv[0].numel() * kv.element_size(), limit)
-        payload = kv.contiguous()
-        if payload.device != dev:
-            payload = payload.to(dev)
-        preamble = torch.tensor([header.numel(), layers], dtype=torch.int64, device=dev)
-        reply = torch.empty(REPLY_BYTES, dtype=torch.uint8, device=dev)
-        start = time.perf_counter()
-        dist.send(preamble, self.dst, group=self.group)
-        dist.send(header, self.dst, group=self.group)
+        self._message(BEGIN, encoded)
+        reply = torch.empty(REPLY_BYTES, dtype=torch.uint8, device=self.t.device)
         dist.recv(reply, self.dst, group=self.group)
         refused = _refusal(reply)
         if refused is not None:
             raise TransferRefused(f"refused by the receiver: {refused}")
-        for l0 in range(0, payload.shape[0], layers):
-            dist.send(payload[l0:l0 + layers].reshape(-1).view(torch.uint8), self.dst, group=self.group)
-        _sync(dev)
-        return time.perf_counter() - start
+
+    def part(self, request_id: str, first_layer: int, start: int, kv: torch.Tensor) -> None:
+        if kv.device != self.t.device:
+            kv = kv.to(self.t.device)
+        for l0, t0, frame in frames(kv, first_layer, start, self.t.cfg.max_frame_bytes):
+            meta = PartMeta(request_id, l0, l0 + frame.shape[0], t0, t0 + frame.shape[2])
+            self._message(PART, meta.encode(), frame)
+
+    def end(self, request_id: str, first_token: int, first_token_time: float) -> None:
+        self._message(END, EndMeta(request_id, first_token, first_token_time).encode())
+        _sync(self.t.device)
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self._message(CANCEL, CancelMeta(request_id, reason).encode())
 
     def close(self) -> None:
         """Tell the receiver this stream is over."""
-        dist.send(torch.zeros(2, dtype=torch.int64, device=self.t.device), self.dst, group=self.group)
+        dist.send(torch.zeros(3, dtype=torch.int64, device=self.t.device), self.dst, group=self.group)
         _sync(self.t.device)
 
 
@@ -159,6 +170,7 @@ class NcclTransport:
         self.sources = sorted(src for src, dst in pairs if dst == rank)
         self._threads: list[threading.Thread] = []
         self._buffers = RecvBuffers(device)      # shared by this worker's receive threads
+        self.inbound = Inbound(cfg, self._buffers)
         self._warm_up(pairs)
 
     def _warm_up(self, pairs) -> None:
@@ -189,6 +201,17 @@ class NcclTransport:
                                  name=f"kv-recv-{self.backend}-{src}", daemon=True)
             t.start()
             self._threads.append(t)
+        if self.sources:
+            threading.Thread(target=self._sweep, args=(report,), name=f"kv-sweep-{self.backend}", daemon=True).start()
+
+    def _sweep(self, report) -> None:
+        """Transfers silent for timeout_s (a sender that died mid-transfer) are dropped and reported;
+        the receive threads themselves wait in their receives."""
+        while any(t.is_alive() for t in self._threads):
+            time.sleep(0.1)
+            for rid in self.inbound.stale():
+                report(TransferProblem(f"{self.backend}: transfer silent for {self.cfg.timeout_s:g} s "
+                                       "(transfer.timeout_s), dropped", rid))
 
     def _receive_loop(self, src: int, expect: Expect, deliver, report) -> None:
         _own_stream(self.device)
@@ -205,50 +228,79 @@ class NcclTransport:
                 return
 
     def _receive_one(self, src: int, expect: Expect, deliver, report) -> bool:
-        """One request from `src`; False once the sender closed the stream."""
+        """One message from `src`; False once the sender closed the stream."""
         group, dev = self.groups[(src, self.rank)], self.device
-        preamble = torch.zeros(2, dtype=torch.int64, device=dev)
+        preamble = torch.zeros(3, dtype=torch.int64, device=dev)
         dist.irecv(preamble, src, group=group).wait(IDLE_WAIT)
         _sync(dev)
-        header_len, layers = preamble.tolist()
-        if header_len == layers == 0:
+        kind, meta_len, payload_len = preamble.tolist()
+        if kind == CLOSE and meta_len == payload_len == 0:
             return False                                        # the sender closed the stream
-        if not 0 < header_len <= MAX_HEADER_BYTES or layers < 1:
-            raise _Untrusted(f"preamble announces a {header_len}-byte header and {layers} layers per frame")
-        header = torch.empty(header_len, dtype=torch.uint8, device=dev)
-        dist.recv(header, src, group=group)
+        if (kind not in (BEGIN, PART, END, CANCEL) or not 0 < meta_len <= MAX_HEADER_BYTES
+                or not 0 <= payload_len <= expect.max_frame_bytes or (payload_len > 0) != (kind == PART)):
+            raise _Untrusted(f"preamble {[kind, meta_len, payload_len]} breaks the protocol")
+        meta = torch.empty(meta_len, dtype=torch.uint8, device=dev)
+        dist.recv(meta, src, group=group)
+        data = meta.cpu().numpy().tobytes()
+        if kind == BEGIN:
+            return self._begin(src, data, expect, deliver, report)
+        delivery, rid = None, None
         try:
-            handoff = decode_header(header.cpu().numpy().tobytes(), expect)
-            frame = layers * (handoff.nbytes // handoff.shape[0])
-            if frame > expect.max_frame_bytes:
-                raise WireError(f"frames of {frame} bytes exceed the frame limit {expect.max_frame_bytes}",
-                                handoff.request_id)
-            if self._buffers.outstanding + handoff.nbytes > self.cfg.max_pending_bytes:
-                raise WireError(f"{handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
-                                f"{self.cfg.max_pending_bytes} ({self._buffers.outstanding} in use)",
-                                handoff.request_id)
+            if kind == PART:
+                part = decode_part(data)
+                rid = part.request_id
+                if self.inbound.quiet(rid):
+                    self._drain(src, payload_len)
+                    return True
+                handoff, size = self.inbound.part(part, expect.max_frame_bytes)
+                if size != payload_len:
+                    raise WireError(f"part of {payload_len} bytes; its header announces {size}", rid)
+                buf = self._buffers.take(size)
+                try:
+                    dist.recv(buf, src, group=group)
+                    _sync(dev)
+                except BaseException:
+                    self._buffers.give_back(buf)
+                    raise
+                payload_len = 0                                   # received
+                self.inbound.received(rid, size)
+                shape = (part.end_layer - part.first_layer, 2, part.end - part.start, *handoff.shape[3:])
+                delivery = Part(rid, part.first_layer, part.start, buf.view(WIRE_DTYPES[handoff.dtype]).view(shape),
+                                self._buffers.releaser(buf))
+            elif kind == END:
+                end = decode_end(data, expect)
+                rid = end.request_id
+                delivery = None if self.inbound.quiet(rid) else self.inbound.end(end)
+            else:
+                delivery = self.inbound.cancel(decode_cancel(data))
+        except WireError as e:   # this message does not fit: its transfer is dropped, the stream stays in step
+            self._drain(src, payload_len)
+            rid = e.request_id or rid
+            self.inbound.drop(rid)
+            report(TransferProblem(f"{self.backend}: rejected a message from rank {src}: {e}", rid))
+            return True
+        if delivery is not None:
+            deliver(delivery)
+        return True
+
+    def _begin(self, src: int, data: bytes, expect: Expect, deliver, report) -> bool:
+        group, dev = self.groups[(src, self.rank)], self.device
+        try:
+            begin = self.inbound.begin(decode_header(data, expect), expect)
         except Exception as e:   # refused before any payload: the sender reports it against its request
-            if not isinstance(e, WireError):
-                e = f"{type(e).__name__}: {e}"
-            dist.send(_reply(False, str(e), dev), src, group=group)
-            report(TransferProblem(f"{self.backend}: refused a transfer from rank {src}: {e}"))
+            reason = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
+            dist.send(_reply(False, reason, dev), src, group=group)
+            report(TransferProblem(f"{self.backend}: refused a transfer from rank {src}: {reason}",
+                                   getattr(e, "request_id", None)))
             return True
         dist.send(_reply(True, device=dev), src, group=group)
-        payload = self._buffers.take(handoff.nbytes)
-        try:
-            start = time.perf_counter()
-            layer_bytes = handoff.nbytes // handoff.shape[0]
-            for l0 in range(0, handoff.shape[0], layers):
-                l1 = min(l0 + layers, handoff.shape[0])
-                dist.recv(payload[l0 * layer_bytes:l1 * layer_bytes], src, group=group)
-            _sync(dev)
-        except BaseException:
-            self._buffers.give_back(payload)
-            raise
-        recv_s, arrived = time.perf_counter() - start, time.time()
-        kv = payload.view(WIRE_DTYPES[handoff.dtype]).view(handoff.shape)
-        deliver(Arrival(handoff, [(0, kv)], handoff.nbytes, recv_s, arrived, self._buffers.releaser(payload)))
+        deliver(begin)
         return True
+
+    def _drain(self, src: int, nbytes: int) -> None:
+        """Receive and drop a payload that will not be used, keeping the stream in step."""
+        if nbytes:
+            dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), src, group=self.groups[(src, self.rank)])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait for receive threads whose senders closed their streams, then leave the group."""

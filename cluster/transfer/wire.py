@@ -1,9 +1,16 @@
-"""The handoff message: a msgpack header that describes one request's KV, then raw tensor bytes.
+"""The handoff messages: what both wires say about one request's KV, as msgpack, then raw bytes.
 
-Both transports send the same header. The receiver checks every field against what its own
-engine expects (dtype, layers, heads, head dim, length limits), and the request itself by the same
-rules the router and the engine apply (workers/request.py: validate_request), before it allocates a
-byte; it checks each payload frame against the size the header announced. Nothing is ever unpickled.
+A transfer is a *begin* (the header: request, prompt, sampling, dtype, shape), then any number of
+*parts* (a rectangle of layers x tokens, with its raw bytes), then an *end* (the first token, made
+by the prefill worker once its step is done), or a *cancel* (the sender gave up: the request was
+preempted, finished on the prefill worker, or failed). A bulk handoff sends its parts after the
+prefill; a streamed one sends each layer (or chunk) as soon as it is computed, so the parts may
+precede the first token by most of the prefill.
+
+The receiver checks every header field against what its own engine expects (dtype, layers, heads,
+head dim, length limits), and the request itself by the same rules the router and the engine apply
+(workers/request.py: validate_request), before it allocates a byte; every part against the header,
+before it receives the part's bytes. Nothing is ever unpickled.
 """
 from __future__ import annotations
 
@@ -32,8 +39,6 @@ class WireError(ValueError):
 class KVHandoff:
     request_id: str            # the attempt's id on the workers
     prompt_ids: list[int]
-    first_token: int
-    first_token_time: float    # prefill worker's clock
     params: dict               # SamplingParams fields
     dtype: str
     shape: tuple[int, ...]     # [layers, 2, tokens, kv_heads, head_dim]
@@ -71,8 +76,7 @@ class Expect:
                    cfg.vocab_size, engine.max_model_len, max_frame_bytes)
 
 
-_FIELDS = {"request_id": str, "prompt_ids": list, "first_token": int, "first_token_time": float,
-           "params": dict, "dtype": str, "shape": list}
+_FIELDS = {"request_id": str, "prompt_ids": list, "params": dict, "dtype": str, "shape": list}
 
 
 def _typed(value, kind, name, rid=None):
@@ -104,17 +108,90 @@ def decode_header(data: bytes, expect: Expect) -> KVHandoff:
         params = validate_request(rid, prompt, raw["params"], expect.vocab_size, expect.max_tokens).to_dict()
     except InvalidRequest as e:
         raise WireError(f"header: {e.reason}", rid) from None
-    if not 0 <= raw["first_token"] < expect.vocab_size:
-        raise WireError(f"first_token={raw['first_token']} is not a token id in [0, {expect.vocab_size})", rid)
     if raw["dtype"] != expect.dtype:
         raise WireError(f"dtype {raw['dtype']!r}; this engine holds {expect.dtype!r}", rid)
     shape = tuple(raw["shape"])
     want = (expect.num_layers, 2, len(prompt), expect.num_kv_heads, expect.head_dim)
     if shape != want:
         raise WireError(f"shape {list(shape)}; expected {list(want)} for a {len(prompt)}-token prompt", rid)
-    return KVHandoff(rid, prompt, raw["first_token"], float(raw["first_token_time"]), params, raw["dtype"], shape)
+    return KVHandoff(rid, prompt, params, raw["dtype"], shape)
 
 
-def handoff_for(req, kv: torch.Tensor, first_token_time: float) -> KVHandoff:
-    return KVHandoff(req.id, list(req.prompt_ids), req.output_ids[0], first_token_time, req.params.to_dict(),
-                     str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
+def handoff_for(req, cfg, dtype: torch.dtype) -> KVHandoff:
+    """The header of request `req`'s KV on an engine of model `cfg` holding `dtype`."""
+    return KVHandoff(req.id, list(req.prompt_ids), req.params.to_dict(), str(dtype).removeprefix("torch."),
+                     (cfg.num_layers, 2, req.num_prompt_tokens, cfg.num_kv_heads, cfg.head_dim))
+
+
+# -- parts, ends, cancels -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PartMeta:
+    """Layers [first_layer, end_layer) of tokens [start, end); its bytes follow."""
+
+    request_id: str
+    first_layer: int
+    end_layer: int
+    start: int
+    end: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.request_id, self.first_layer, self.end_layer, self.start, self.end])
+
+    def nbytes(self, handoff: KVHandoff) -> int:
+        per = handoff.nbytes // (handoff.shape[0] * handoff.shape[2])          # one layer of one token
+        return (self.end_layer - self.first_layer) * (self.end - self.start) * per
+
+    def check(self, handoff: KVHandoff) -> None:
+        layers, tokens = handoff.shape[0], handoff.shape[2]
+        if not (0 <= self.first_layer < self.end_layer <= layers and 0 <= self.start < self.end <= tokens):
+            raise WireError(f"part layers [{self.first_layer}, {self.end_layer}) tokens [{self.start}, {self.end}) "
+                            f"outside the {layers} layers x {tokens} tokens announced", self.request_id)
+
+
+@dataclass(frozen=True)
+class EndMeta:
+    request_id: str
+    first_token: int
+    first_token_time: float    # the prefill worker's clock: when its step made the first token
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.request_id, self.first_token, self.first_token_time])
+
+
+@dataclass(frozen=True)
+class CancelMeta:
+    request_id: str
+    reason: str
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.request_id, self.reason[:1000]])
+
+
+def _meta(data: bytes, what: str, kinds: tuple) -> list:
+    try:
+        raw = msgpack.unpackb(data, raw=False, max_bin_len=0, max_ext_len=0, max_str_len=4096)
+    except Exception as e:
+        raise WireError(f"{what} is not msgpack: {e}") from None
+    rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+    names = ", ".join("number" if isinstance(k, tuple) else k.__name__ for k in kinds)
+    if not (isinstance(raw, list) and len(raw) == len(kinds)):
+        raise WireError(f"{what} {str(raw)[:80]} is not [{names}]", rid)
+    for value, kind in zip(raw, kinds):
+        if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+            raise WireError(f"{what} fields {str(raw)[:80]} are not [{names}]", rid)
+    return raw
+
+
+def decode_part(data: bytes) -> PartMeta:
+    return PartMeta(*_meta(data, "part header", (str, int, int, int, int)))
+
+
+def decode_end(data: bytes, expect: Expect) -> EndMeta:
+    rid, token, t = _meta(data, "end", (str, int, (int, float)))
+    if not 0 <= token < expect.vocab_size:
+        raise WireError(f"first_token={token} is not a token id in [0, {expect.vocab_size})", rid)
+    return EndMeta(rid, token, float(t))
+
+
+def decode_cancel(data: bytes) -> CancelMeta:
+    return CancelMeta(*_meta(data, "cancel", (str, str)))

@@ -1,38 +1,41 @@
-"""KV over ZeroMQ: msgpack headers and raw tensor frames, zero-copy on both ends, streamed in chunks.
+"""KV over ZeroMQ: msgpack headers and raw tensor frames, zero-copy on the sending side.
 
 Each receiving worker binds one PULL socket to its own address; each sender connects one PUSH
-socket per destination. A request travels as a "begin" message (the handoff header) and then one
-message per run of layers, each naming its request, so chunks from several senders may
-interleave. Sender frames point into the tensor's memory (copy=False, tracked until libzmq is
-done with them). The receiver copies each payload frame straight into its place in a recycled
-request buffer (recv_into): on CPU one copy into warm memory is cheaper than keeping zero-copy
-frames alive until the request completes, which faults in fresh pages for every request.
+socket per destination. A transfer is a begin, parts, and an end (or a cancel), each one message
+naming its request, so transfers from several senders, and several transfers of one sender, may
+interleave (wire.py):
 
-    begin: [b"B", header]                              header = KVHandoff (msgpack)
-    chunk: [b"C", msgpack([request_id, index, first_layer, end_layer]), raw bytes]
+    begin:  [b"B", header]                               header = KVHandoff (msgpack)
+    part:   [b"P", msgpack([request_id, first_layer, end_layer, start, end]), raw bytes]
+    end:    [b"E", msgpack([request_id, first_token, first_token_time])]
+    cancel: [b"X", msgpack([request_id, reason])]
 
-Chunks are at most `max_frame_bytes` (the sender refuses a KV whose single layer is larger; libzmq
-drops and disconnects a larger message before Python sees it). A begin is refused, and reported
-against its request, when `max_pending` transfers are already incomplete or the receive memory in
-use would pass `max_pending_bytes`. Incomplete transfers older than `timeout_s` are dropped and
-reported, checked every 100 ms whether or not the socket is busy. Any error in a message is reported
-(against its request when known), the rest of the message skipped, and the loop goes on; only a
-socket that fails stops it, as a fatal problem that takes its worker out of service.
+A part's frame is at most `min(chunk_bytes, max_frame_bytes)` (the sender splits larger parts;
+libzmq drops and disconnects a message past `max_frame_bytes` before Python sees it). Sender frames
+point into the tensor's memory (copy=False, tracked until libzmq is done with them; `end` waits).
+The receiver checks a part against its transfer before taking a receive buffer, then receives the
+bytes straight into that buffer (recv_into, recycled memory: on CPU a warm buffer is cheaper than
+zero-copy frames that fault in fresh pages) and delivers the part at once. A begin is refused, and
+reported against its request, when `max_pending` transfers are incomplete or receive memory would
+pass `max_pending_bytes`; a transfer silent for `timeout_s` is dropped and reported, checked every
+100 ms whether or not the socket is busy. Any error in a message is reported (against its request
+when known), the rest of the message skipped, and the loop goes on; only a socket that fails stops
+it, as a fatal problem that takes its worker out of service.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections import OrderedDict
 
-import msgpack
 import torch
 import zmq
 
-from cluster.transfer.base import (Arrival, RecvBuffers, TransferConfig, TransferProblem, TransferTimeout,
-                                   check_frame, layer_chunks)
-from cluster.transfer.wire import WIRE_DTYPES, Expect, KVHandoff, WireError, decode_header
+from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused,
+                                   TransferTimeout, frames)
+from cluster.transfer.wire import (WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError,
+                                   decode_cancel, decode_end, decode_header, decode_part)
+
+SWEEP_S = 0.1        # how often transfers are checked against timeout_s
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -40,35 +43,43 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
 
 
 class ZmqChannel:
-    """One sender's socket to one receiver. `send` returns once libzmq has taken every frame (small
-    frames are batched, so "taken" can precede "written"): keep the channel open while the peer
-    reads, as a worker's sender thread does for its whole life."""
+    """One sender's socket to one receiver. `end` returns once libzmq has taken every frame of the
+    transfer (small frames are batched, so "taken" can precede "written"): keep the channel open
+    while the peer reads, as a worker's sender thread does for its whole life."""
 
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransferConfig):
         self.cfg = cfg
+        self.frame_bytes = min(cfg.chunk_bytes, cfg.max_frame_bytes)
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(address)
+        self._inflight: dict[str, list] = {}      # request -> [(tracker, tensor kept alive)]
 
-    def send(self, handoff: KVHandoff, kv: torch.Tensor) -> float:
-        check_frame(kv, self.cfg.max_frame_bytes)
-        header = handoff.encode()
+    def begin(self, handoff: KVHandoff) -> None:
+        self.sock.send_multipart([b"B", handoff.encode()])
+        self._inflight[handoff.request_id] = []
+
+    def part(self, request_id: str, first_layer: int, start: int, kv: torch.Tensor) -> None:
         kv = kv.cpu().contiguous() if kv.device.type != "cpu" else kv.contiguous()
+        kept = self._inflight.setdefault(request_id, [])
+        for l0, t0, frame in frames(kv, first_layer, start, self.frame_bytes):
+            frame = frame.contiguous()
+            meta = PartMeta(request_id, l0, l0 + frame.shape[0], t0, t0 + frame.shape[2])
+            self.sock.send_multipart([b"P", meta.encode()], flags=zmq.SNDMORE)
+            kept.append((self.sock.send(_as_bytes_view(frame), copy=False, track=True), frame))
+
+    def end(self, request_id: str, first_token: int, first_token_time: float) -> None:
+        self.sock.send_multipart([b"E", EndMeta(request_id, first_token, first_token_time).encode()])
         deadline = time.monotonic() + self.cfg.timeout_s
-        start = time.perf_counter()
-        self.sock.send_multipart([b"B", header])
-        trackers = []
-        chunk = min(self.cfg.chunk_bytes, self.cfg.max_frame_bytes)
-        for index, (l0, l1) in enumerate(layer_chunks(kv, chunk)):
-            meta = msgpack.packb([handoff.request_id, index, l0, l1])
-            self.sock.send_multipart([b"C", meta], flags=zmq.SNDMORE)
-            trackers.append(self.sock.send(_as_bytes_view(kv[l0:l1]), copy=False, track=True))
-        for tracker in trackers:      # libzmq holds our memory until each frame is on the wire
+        for tracker, _ in self._inflight.pop(request_id, []):   # libzmq holds our memory until sent
             left = deadline - time.monotonic()
             if left <= 0 or not _wait(tracker, left):
-                raise TransferTimeout(f"zmq send of {handoff.request_id} not done in {self.cfg.timeout_s} s")
-        return time.perf_counter() - start
+                raise TransferTimeout(f"zmq send of {request_id} not done in {self.cfg.timeout_s} s")
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self.sock.send_multipart([b"X", CancelMeta(request_id, reason).encode()])
+        self._inflight.pop(request_id, None)
 
     def close(self):
         self.sock.close(linger=0)
@@ -80,31 +91,6 @@ def _wait(tracker: zmq.MessageTracker, timeout_s: float) -> bool:
         return True
     except zmq.NotDone:
         return False
-
-
-class _Assembly:
-    """One request's chunks arriving in order."""
-
-    def __init__(self, handoff: KVHandoff, started: float):
-        self.handoff = handoff
-        self.started = started
-        self.next_layer = 0
-        self.parts: list[tuple[int, torch.Tensor]] = []
-        dtype = WIRE_DTYPES[handoff.dtype]
-        self.layer_bytes = math.prod(handoff.shape[1:]) * torch.tensor([], dtype=dtype).element_size()
-        self.buf: torch.Tensor | None = None      # uint8 [nbytes]: the whole request, chunks land in place
-        self.kv: torch.Tensor | None = None       # the same memory as [L, 2, T, KVH, D]
-
-    def allocate(self, buffers: RecvBuffers) -> None:
-        self.buf = buffers.take(self.handoff.nbytes)
-        self.kv = self.buf.view(WIRE_DTYPES[self.handoff.dtype]).view(self.handoff.shape)
-
-
-SWEEP_S = 0.1        # how often incomplete transfers are checked against timeout_s
-
-
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class ZmqTransport:
@@ -120,8 +106,7 @@ class ZmqTransport:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._buffers = RecvBuffers(torch.device("cpu"))
-        self._refused: OrderedDict[str, None] = OrderedDict()   # transfers already reported: their late
-                                                                # chunks are dropped without a report each
+        self.inbound = Inbound(cfg, self._buffers)
 
     def bind(self) -> str:
         """Bind the receiving socket to this node's address; returns where senders connect."""
@@ -154,123 +139,83 @@ class ZmqTransport:
 
     @property
     def pending_bytes(self) -> int:
-        """Receive memory in use: incomplete transfers, and complete ones not yet released."""
+        """Receive memory in use: parts received and not yet released by the engine."""
         return self._buffers.outstanding
 
     def _receive_loop(self, expect: Expect, deliver, report) -> None:
-        pending: dict[str, _Assembly] = {}
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         last_sweep = time.monotonic()
         while not self._stop.is_set():
             try:
                 if poller.poll(100):
-                    self._receive_one(pending, expect, deliver, report)
+                    self._receive_one(expect, deliver, report)
             except zmq.ZMQError as e:   # the socket itself failed: nothing more can arrive here
                 if not self._stop.is_set():
                     report(TransferProblem(f"zmq: receiver stopped: {e}", fatal=True))
                 return
             if time.monotonic() - last_sweep >= SWEEP_S:
-                self._drop_stale(pending, report)
+                for rid in self.inbound.stale():
+                    report(TransferProblem(f"zmq: transfer silent for {self.cfg.timeout_s:g} s (transfer.timeout_s), "
+                                           "dropped", rid))
                 last_sweep = time.monotonic()
 
-    def _receive_one(self, pending: dict[str, _Assembly], expect: Expect, deliver, report) -> None:
+    def _receive_one(self, expect: Expect, deliver, report) -> None:
         try:
-            done = self._on_message(pending, expect)
+            delivery = self._on_message(expect)
         except zmq.ZMQError:
             raise
         except Exception as e:   # a bad message, or a bug it triggered: drop the message, keep serving
             rid = getattr(e, "request_id", None)
             while self._pull.getsockopt(zmq.RCVMORE):      # skip the rest of the message
                 self._pull.recv(copy=False)
-            if rid in pending:
-                self._buffers.give_back(pending.pop(rid).buf)
-            if rid is not None:
-                self._forget(rid)
+            self.inbound.drop(rid)
             what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
             report(TransferProblem(f"zmq: rejected message: {what}", rid))   # the id travels beside the text
             return
-        if done is not None:
+        if delivery is not None:
             try:
-                deliver(done)
+                deliver(delivery)
             except Exception as e:
-                done.release()
-                report(TransferProblem(f"zmq: could not deliver: {type(e).__name__}: {e}", done.handoff.request_id))
+                if isinstance(delivery, Part):
+                    delivery.release()
+                self.inbound.drop(delivery.request_id)
+                report(TransferProblem(f"zmq: could not deliver: {type(e).__name__}: {e}", delivery.request_id))
 
-    def _on_message(self, pending: dict[str, _Assembly], expect: Expect) -> Arrival | None:
-        """Reads one message frame by frame: a chunk's payload is received straight into its place in
-        the request's buffer (one copy out of libzmq's message, into memory that is reused)."""
+    def _on_message(self, expect: Expect):
+        """Reads one message frame by frame: a part's bytes go straight into a receive buffer."""
         sock = self._pull
         tag = sock.recv()
         head = sock.recv() if sock.getsockopt(zmq.RCVMORE) else None
         more = sock.getsockopt(zmq.RCVMORE)
+        if head is None or (more != (tag == b"P")):
+            raise WireError(f"message tag {tag[:8]!r} with the wrong number of frames")
         if tag == b"B":
-            if head is None or more:
-                raise WireError("begin message without exactly 2 frames")
-            handoff = decode_header(head, expect)
-            rid = handoff.request_id
-            if rid in pending:
-                raise WireError("a second begin for a transfer already under way; both dropped", rid)
-            asm = _Assembly(handoff, time.perf_counter())
-            if asm.layer_bytes > expect.max_frame_bytes:
-                raise WireError(f"one layer of {asm.layer_bytes} bytes exceeds the "
-                                f"frame limit {expect.max_frame_bytes}", rid)
-            if len(pending) >= self.cfg.max_pending:
-                raise WireError(f"refused, {len(pending)} transfers already incomplete "
-                                f"(transfer.max_pending={self.cfg.max_pending})", rid)
-            if self._buffers.outstanding + handoff.nbytes > self.cfg.max_pending_bytes:
-                raise WireError(f"refused, {handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
-                                f"{self.cfg.max_pending_bytes} ({self._buffers.outstanding} in use)", rid)
-            asm.allocate(self._buffers)
-            pending[rid] = asm
-            return None
-        if tag != b"C" or head is None or not more:
-            raise WireError(f"unknown message tag {tag[:8]!r}, or not 3 frames")
-        try:
-            meta = msgpack.unpackb(head, raw=False, max_bin_len=0, max_ext_len=0)
-        except Exception as e:
-            raise WireError(f"chunk header is not msgpack: {e}") from None
-        if not (isinstance(meta, list) and len(meta) == 4 and isinstance(meta[0], str)):
-            raise WireError(f"chunk header {str(meta)[:80]} is not [request_id, index, first_layer, end_layer]")
-        rid, index, l0, l1 = meta
-        asm = pending.get(rid)
-        if asm is None and rid in self._refused:       # its failure was reported once already
-            sock.recv(copy=False)
-            return None
-        if asm is None:
-            raise WireError(f"chunk for unknown request {rid!r}")     # nothing under way to fail
-        if not (_int(index) and _int(l0) and _int(l1)):
-            raise WireError(f"chunk index and layers {[index, l0, l1]} are not integers", rid)
-        in_order = index == len(asm.parts) and l0 == asm.next_layer and l0 < l1 <= asm.handoff.shape[0]
-        expected = (l1 - l0) * asm.layer_bytes
-        if in_order and expected <= expect.max_frame_bytes:
-            start = l0 * asm.layer_bytes
-            size = sock.recv_into(memoryview(asm.buf[start:start + expected].numpy()))
-        else:
-            size = len(sock.recv(copy=False))
-        if not in_order or size != expected or sock.getsockopt(zmq.RCVMORE):
-            raise WireError(f"chunk {index} layers [{l0}, {l1}) of {size} bytes does not follow "
-                            f"layer {asm.next_layer} ({expected} bytes expected)", rid)
-        asm.parts.append((l0, asm.kv[l0:l1]))
-        asm.next_layer = l1
-        if l1 < asm.handoff.shape[0]:
-            return None
-        del pending[rid]
-        return Arrival(asm.handoff, asm.parts, asm.handoff.nbytes, time.perf_counter() - asm.started, time.time(),
-                       self._buffers.releaser(asm.buf))
-
-    def _drop_stale(self, pending: dict[str, _Assembly], report) -> None:
-        now = time.perf_counter()
-        for rid in [r for r, a in pending.items() if now - a.started > self.cfg.timeout_s]:
-            self._buffers.give_back(pending.pop(rid).buf)
-            self._forget(rid)
-            report(TransferProblem(f"zmq: transfer incomplete after {self.cfg.timeout_s:g} s (transfer.timeout_s), "
-                                   "dropped", rid))
-
-    def _forget(self, rid: str) -> None:
-        self._refused[rid] = None
-        while len(self._refused) > 4096:
-            self._refused.popitem(last=False)
+            return self.inbound.begin(decode_header(head, expect), expect)
+        if tag == b"P":
+            meta = decode_part(head)
+            if self.inbound.quiet(meta.request_id):        # its failure was reported once already
+                sock.recv(copy=False)
+                return None
+            handoff, size = self.inbound.part(meta, expect.max_frame_bytes)
+            buf = self._buffers.take(size)
+            try:
+                got = sock.recv_into(memoryview(buf.numpy()))
+                if got != size or sock.getsockopt(zmq.RCVMORE):
+                    raise WireError(f"part of {got} bytes; its header announced {size}", meta.request_id)
+            except BaseException:
+                self._buffers.give_back(buf)
+                raise
+            self.inbound.received(meta.request_id, size)
+            shape = (meta.end_layer - meta.first_layer, 2, meta.end - meta.start, *handoff.shape[3:])
+            return Part(meta.request_id, meta.first_layer, meta.start,
+                        buf.view(WIRE_DTYPES[handoff.dtype]).view(shape), self._buffers.releaser(buf))
+        if tag == b"E":
+            meta = decode_end(head, expect)
+            return None if self.inbound.quiet(meta.request_id) else self.inbound.end(meta)
+        if tag == b"X":
+            return self.inbound.cancel(decode_cancel(head))
+        raise WireError(f"unknown message tag {tag[:8]!r}")
 
     def close(self) -> None:
         self._stop.set()
@@ -278,3 +223,6 @@ class ZmqTransport:
             self._thread.join(timeout=2)
         if self._pull is not None:
             self._pull.close(linger=0)
+
+
+__all__ = ["ZmqChannel", "ZmqTransport", "TransferRefused"]

@@ -2,7 +2,9 @@
 
 Per request (status "ok" only): TTFT = first token - arrival; E2EL = last token - arrival;
 TPOT = (E2EL - TTFT) / (output tokens - 1), only for requests with at least 2 output tokens;
-ITL = gaps between successive tokens, pooled over requests.
+ITL = gaps between successive tokens, pooled over requests. Token times are when each token was made
+(its worker's step end on the router's clock); `client_ttft_ms` and `client_itl_ms` time tokens when
+they reached the router instead, so tokens that came back in one poll count a 0 ms gap there.
 
 Per point: duration = max(end_s) - min(arrival_s) over rows that ended; throughputs divide
 completed requests and tokens by it (0.0 when it is 0). A request is *good* when it completed with
@@ -77,6 +79,9 @@ def summarize(rows: list[dict], slo_ttft_ms: float, slo_tpot_ms: float, num_gpus
         "tpot_ms": percentiles(t * 1e3 for t in map(_tpot_s, ok) if t is not None),
         "itl_ms": percentiles(gap * 1e3 for r in ok for gap in r.get("itl_s") or ()),
         "e2el_ms": percentiles(r["e2e_s"] * 1e3 for r in ok),
+        # as a client of the router sees them: tokens timed when they reached it (FORMATS.md)
+        "client_ttft_ms": percentiles(r["client_ttft_s"] * 1e3 for r in ok if r.get("client_ttft_s") is not None),
+        "client_itl_ms": percentiles(gap * 1e3 for r in ok for gap in r.get("client_itl_s") or ()),
     }
 
 

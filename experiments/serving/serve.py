@@ -156,8 +156,12 @@ def request_row(rec, t0: float) -> dict:
         "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
         "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
         "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
+        "client_ttft_s": rec.client_ttft_s, "client_e2e_s": rec.client_e2e_s, "client_itl_s": rec.client_itl_s,
         "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
+        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
+        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
+                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
+        "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
         "note": rec.note,
     }
@@ -206,7 +210,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
         t0 = drive(router, p.requests, f"{ident['label']} rep{repeat}")
         router.close()
         after = snapshot()
-        traces = pool.traces()
+        traces = router.traces()          # steps on the router's clock, like the requests
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
@@ -220,6 +224,8 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["ci_level"], metrics["ci_method"] = 0.95, METHOD_WITHIN
     metrics["machine"] = usage(before, after) | {"workers_share_cores": p.shared is not None, "shared_cores": p.shared}
     metrics["repeat"], metrics["point"] = repeat, ident
+    metrics["isolation"] = pool.isolation
+    metrics["clocks"] = router.clock_report()
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]
     if unexpected := unexpected_failures(router.records.values()):
