@@ -36,6 +36,10 @@ class Costs:
     source: str = "hand-made"
     detail: dict = field(default_factory=dict)     # the profile's conditions (machine load, fit errors)
     noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
+    role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
+
+    def step_for(self, role: str):
+        return self.role_step.get(role, self.step)
 
     def export_s(self, nbytes: int) -> float:
         return self.export[0] + self.export[1] * nbytes

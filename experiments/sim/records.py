@@ -1,7 +1,9 @@
 """The simulated router's records, and the files a run writes from them (experiments/FORMATS.md).
 
 `Record` mirrors router/records.py's RequestRecord (the fields requests.jsonl shows), with the token
-times kept as router-clock floats and numpy arrays (a decode run's steps, shared by its requests);
+times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
+times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it reached the router
+(`client_*`); the simulated router's clock is the workers' clock;
 `Attempt` mirrors router/router.py's Attempt. `request_row` writes a row exactly as
 experiments/serving/serve.py's request_row does; `step_rows` expands every worker's steps, decode runs
 included, into steps.jsonl rows.
@@ -21,7 +23,8 @@ class Record:
     prompt_len: int
     max_tokens: int
     arrival_s: float
-    times: list = field(default_factory=list)      # router clock: floats and arrays, in order
+    times: list = field(default_factory=list)      # when each token was made: floats and arrays, in order
+    client: list = field(default_factory=list)     # when each reached the router, likewise
     num_out: int = 0
     first_time: float | None = None
     last_time: float | None = None
@@ -41,17 +44,20 @@ class Record:
     transfer_bytes: int = 0
     handoff_s: float | None = None
     decode_s: float | None = None
+    prefill_end: float | None = None               # the step that made the first token ended
+    kv_arrived: float | None = None                # the last KV byte reached the decode worker
 
     @property
     def done(self) -> bool:
         return self.status != "pending"
 
-    def add_times(self, t, n: int) -> None:
-        """n tokens at router time(s) t (a float, or an array of n)."""
+    def add_times(self, t, at, n: int) -> None:
+        """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""
         if n == 0:
             return
         if self.keep:
             self.times.append(t)
+            self.client.append(at)
         first = t if isinstance(t, float) else float(t[0])
         if self.first_time is None:
             self.first_time = first
@@ -61,8 +67,15 @@ class Record:
     keep = True                                    # a class default; the planner switches it off
 
     def token_times(self) -> np.ndarray:
-        parts = [np.atleast_1d(np.asarray(t, dtype=float)) for t in self.times]
-        return np.concatenate(parts) if parts else np.zeros(0)
+        return _joined(self.times)
+
+    def client_times(self) -> np.ndarray:
+        return _joined(self.client)
+
+
+def _joined(times: list) -> np.ndarray:
+    parts = [np.atleast_1d(np.asarray(t, dtype=float)) for t in times]
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 @dataclass(eq=False)
@@ -101,6 +114,7 @@ def request_row(rec: Record, t0: float = 0.0) -> dict:
     itl = np.diff(times).tolist() if n >= 2 else []
     ttft = float(times[0] - rec.arrival_s) if n else None
     e2e = float(times[-1] - rec.arrival_s) if n else None
+    client = rec.client_times()
     itl_ms = None
     if itl:
         q = percentiles([1e3 * x for x in itl])
@@ -112,8 +126,14 @@ def request_row(rec: Record, t0: float = 0.0) -> dict:
         "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
         "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
         "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
+        "client_ttft_s": float(client[0] - rec.arrival_s) if len(client) else None,
+        "client_e2e_s": float(client[-1] - rec.arrival_s) if len(client) else None,
+        "client_itl_s": np.diff(client).tolist() if len(client) >= 2 else [],
         "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s, "queue_s": rec.queue_s,
+        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
+        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
+                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
+        "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
         "note": rec.note,
     }

@@ -9,8 +9,12 @@ already streamed, up to router.max_retries; two crashes and it fails), request t
 fault.kill_worker at fault.kill_after_s, fault.timeout_transfer_of (that handoff's KV is never
 sent; the router retries it after transfer.timeout_s).
 
+Token times are as router/records.py keeps them: when the step that made a token ended (the
+simulated workers share the router's clock), and when it reached the router (`client_*`, `return_s`
+later, never before the worker's previous step).
+
 Simplifications, each small next to a step: the router's load counters change when a worker's step
-ends, not `return_s` later when its tokens reach the router (token times do carry `return_s`); KV
+ends, not `return_s` later when its tokens reach the router; KV
 tokens of a decode run in flight count as the run's steps end; a streamed prefill pays no export
 time after its step (its parts were exported while it ran).
 """
@@ -94,7 +98,7 @@ class Simulator:
             info = {"num_kv_blocks": blocks, "block_size": ecfg.block_size, "host": f"node{nodes[rank]}",
                     "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
                     "max_model_len": cfg.max_model_len}
-            engine = SimEngine(ecfg, blocks, costs.step, cfg.fast_forward, self.noise)
+            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
         self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
@@ -248,7 +252,7 @@ class Simulator:
         if att is None or not att.live:
             return
         rec = att.rec
-        rec.add_times(at, 1)
+        rec.add_times(end, at, 1)
         att.num_tokens += 1
         self.loads[att.decode.rank].kv_tokens += 1
         if att.handoff_at is None:
@@ -256,7 +260,9 @@ class Simulator:
             rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
             self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
             att.handoff_at, att.first_token_worker_time = at, end
-            if reason != "handoff":
+            if reason == "handoff":
+                rec.prefill_end = end
+            else:
                 att.decode_start = end
         elif att.kind == "handoff" and att.decode_start is None:
             att.decode_start = req.first_scheduled_time
@@ -346,16 +352,17 @@ class Simulator:
         stream = self.cfg.stream != "off"
         exports = []
         t = end
+        last_chunk = {id(c.request): c.num_tokens for c in sched.prefills}
         for req, reason in done.tokens:
             if reason == "handoff":
                 if not stream:
                     t += self.costs.export_s(req.attempt.nbytes)
-                exports.append((req, t))
+                exports.append((req, t, last_chunk.get(id(req), req.prompt_len)))
         at = self._delivery(w, t)
         for req, reason in done.tokens:
             self._on_token(req, reason, start, end, at)
-        for req, ready in exports:
-            self._send_kv(w, req, ready, end)
+        for req, ready, last in exports:
+            self._send_kv(w, req, ready, last)
         w.sched = None
         self._next(w, t, len(sched.decodes) + len(sched.prefills))
 
@@ -377,7 +384,7 @@ class Simulator:
             att = req.attempt
             if att is None or not att.live:
                 continue
-            att.rec.add_times(at, m)
+            att.rec.add_times(run.ends[:m], at, m)
             att.num_tokens += m
             if att.kind == "handoff" and att.decode_start is None:
                 att.decode_start = req.first_scheduled_time
@@ -407,7 +414,10 @@ class Simulator:
             w.state = "idle"
 
     # -- KV transfer --------------------------------------------------------------------------------
-    def _send_kv(self, w: SimWorker, req, ready: float, end: float) -> None:
+    def _send_kv(self, w: SimWorker, req, ready: float, last_chunk: int) -> None:
+        """Send a handed-off request's KV, complete at `ready`. Streamed, its parts go as they are final
+        from the prefill's first step on; the last one is final only when the prefill ends: a group of
+        transfer.stream_layers layers (layer) or the last prompt chunk, `last_chunk` tokens (chunk)."""
         att = req.attempt
         w.engine.release(req)
         if att is None or not att.live:
@@ -420,9 +430,12 @@ class Simulator:
         d = att.decode
         kind = "local" if not self.cfg.gpus_per_node else ("node" if d.node == w.node else "network")
         stream = self.cfg.stream
-        parts = self.cfg.num_layers if stream == "layer" else 1
+        if stream == "layer":
+            last = min(1.0, self.cfg.transfer.stream_layers / self.cfg.num_layers)
+        else:
+            last = min(1.0, last_chunk / max(att.prompt_len, 1))
         start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
-                                      req.first_scheduled_time if stream != "off" else None, parts)
+                                      req.first_scheduled_time if stream != "off" else None, last)
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
         att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
         att.dreq.num_out, att.dreq.attempt = 1, att
@@ -434,6 +447,7 @@ class Simulator:
         if not att.live:
             return
         att.sent = True
+        att.rec.kv_arrived = self.now
         self._deliver(att.decode, ("kv", att))
 
     def _transfer_check(self, att: Attempt) -> None:

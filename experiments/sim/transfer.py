@@ -13,8 +13,10 @@ handoff as it would on the wire.
 Streaming (`stream` "layer" or "chunk", the KV of a prompt sent as the prefill computes it): the
 transfer may start once the prefill's first step has begun and the link is free; it ends no earlier
 than its full wire time after that start, nor earlier than the last part's wire time after the
-prefill ends (the last layer, or the last chunk, is final only then). Off: it starts after the
-prefill and the export.
+prefill ends (the last part is final only then: one group of `stream_layers` layers, a 1/L share of
+the bytes for L layers, or the last prompt chunk). So the transfer a request waits for after its
+prefill, the exposed transfer, is about max(last part, transfer - overlap), the overlap being the
+prefill's duration. Off: it starts after the prefill and the export, all of it exposed.
 """
 from __future__ import annotations
 
@@ -66,15 +68,17 @@ class Links:
         self.ingress: dict[int, float] = {}
 
     def send(self, src: int, dst: int, nbytes: float, model: TransferModel, ready: float,
-             stream_start: float | None = None, parts: int = 1) -> tuple[float, float]:
+             stream_start: float | None = None, last_part: float = 1.0) -> tuple[float, float]:
         """(start, done) of a transfer whose KV is complete at `ready`; with streaming, whose first part
-        may go at `stream_start` and whose last part (1/parts of the bytes) is final at `ready`."""
+        may go at `stream_start` and whose last part (a `last_part` share of the bytes) is final at `ready`."""
+        if not 0 < last_part <= 1:
+            raise ValueError(f"last_part={last_part} must be a share of the bytes in (0, 1]")
         free = max(self.egress.get(src, 0.0), self.ingress.get(dst, 0.0))
         if stream_start is None:
             start = max(ready, free)
             done = start + model.seconds(nbytes)
         else:
             start = max(stream_start, free)
-            done = max(start + model.seconds(nbytes), max(ready, free) + model.seconds(nbytes / max(parts, 1)))
+            done = max(start + model.seconds(nbytes), max(ready, free) + model.seconds(nbytes * last_part))
         self.egress[src] = self.ingress[dst] = done
         return start, done
