@@ -206,8 +206,6 @@ def fit_linear(rows: list[tuple], times_s: list[float]) -> tuple[list[float], di
     """Non-negative least squares of step times on LINEAR_TERMS, weighted so that every row counts by
     its relative error. `rows`: FEATURES tuples. Returns (coef, fit error: relative errors of the fitted
     times, |predicted - measured| / measured, as median, p90 and max, and their signed mean)."""
-    from scipy.optimize import nnls
-
     if len(rows) < len(LINEAR_TERMS):
         raise ValueError(f"need at least {len(LINEAR_TERMS)} measured steps to fit, got {len(rows)}")
     x = np.array([[1.0, f[0], f[1], f[2], f[3], f[5]] for f in rows], dtype=float)
@@ -218,6 +216,33 @@ def fit_linear(rows: list[tuple], times_s: list[float]) -> tuple[list[float], di
     coef, _ = nnls((x / norm) * w[:, None], y * w)
     coef = coef / norm
     return [float(c) for c in coef], relative_errors(x @ coef, y)
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> tuple[np.ndarray, float]:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method, "Solving Least Squares
+    Problems", 1974, ch. 23): move the variable whose gradient most wants to grow into the passive set,
+    solve least squares on that set, and step back toward the last feasible point while a passive
+    variable would go negative. Returns (x, residual norm)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        w = a.T @ (b - a @ x)                      # minus the gradient
+        if passive.all() or w[~passive].max() <= tol * max(1.0, np.abs(w).max()):
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x, float(np.linalg.norm(a @ x - b))
 
 
 def relative_errors(predicted, measured) -> dict:
