@@ -4,10 +4,11 @@ A profile times the engine's steps alone in one process. Serving adds the router
 both ways), the worker loop between steps, and contention: the router, the other workers and whatever
 else runs share the cores. `calibrate` reads a run's points (requests.jsonl, steps.jsonl) and returns:
 
-- return_s: the median, over completed requests of colocated points, of TTFT - queue - prefill: from
-  the end of the step that made the first token to the router stamping it (submit lateness included);
-- dispatch_s: the median queue time of requests whose worker was idle when they arrived (no step of
-  it in flight, none due), less the host gap: the router's submit reaching the worker's loop;
+- return_s: the median, over completed requests, of client_ttft - ttft: from the end of the step that
+  made the first token (ttft times it: router/records.py) to the router receiving it;
+- dispatch_s: over requests whose worker was idle when they arrived (no step of it in flight, none
+  due), the median time from their arrival to their first step's start (ttft - prefill), less the
+  host gap: the router's submit reaching the worker's loop;
 - gap_coef: the host time between two steps of a busy worker (its previous step left work): the
   median gap, as g0, with the profile's per-sequence slope g1 kept;
 - slowdown: how much longer a step takes while serving than the profile predicts, as a function of
@@ -88,12 +89,12 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
                 continue
-            if ident.get("mode") == "colocated":
-                returns.append(r["ttft_s"] - r["queue_s"] - r["prefill_s"])
+            if r.get("client_ttft_s") is not None:
+                returns.append(r["client_ttft_s"] - r["ttft_s"])
             if _idle_at(workers.get(r["prefill_worker"], []), r["arrival_s"]):
-                queues.append(r["queue_s"])
+                queues.append(r["ttft_s"] - r["prefill_s"])
     if not returns or not steps_seen["decode"]:
-        raise ValueError(f"no colocated requests or decode-only steps to calibrate on in {list(map(str, run_dirs))}")
+        raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     pairs = sorted(steps_seen["decode"] + steps_seen["prefill"])
     slowdown = slowdown_curve(pairs, per_bin)
     curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]})
@@ -114,8 +115,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
 
 def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list[tuple[float, float]]:
     """(predicted, measured) of a chunked run's steps that carried one prompt chunk: a request's chunks
-    are its worker's steps up to the one that made its first token (ending at its arrival + queue_s +
-    prefill_s, up to the router's dispatch time); where each carried one chunk and their tokens add up
+    are its worker's steps up to the one that made its first token (ending at its arrival + ttft_s,
+    both on the router's clock); where each carried one chunk and their tokens add up
     to the prompt, they are all its own, in order, so each one's start in the prompt is known."""
     out = []
     for r in rows:
@@ -124,14 +125,14 @@ def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list
         ss = workers.get(r["prefill_worker"], [])
         if not ss:
             continue
-        first_token = r["arrival_s"] + r["queue_s"] + r["prefill_s"]   # the router's dispatch time apart
+        first_token = r["arrival_s"] + r["ttft_s"]
         last = min(range(len(ss)), key=lambda i: abs(ss[i]["end_s"] - first_token))
         mine, total, i = [], 0, last
         while i >= 0 and total < r["prompt_len"] and ss[i]["num_prefill_seqs"] == 1:
             mine.insert(0, ss[i])
             total += ss[i]["num_prefill_tokens"]
             i -= 1
-        if total != r["prompt_len"] or abs(ss[last]["end_s"] - first_token) > 2e-3:
+        if total != r["prompt_len"] or abs(ss[last]["end_s"] - first_token) > 1e-4:
             continue
         start = 0
         for s in mine:
