@@ -2,7 +2,11 @@
 
 The criterion is DistServe's: a layout's goodput per GPU is the highest request rate per GPU at which
 at least slo.attainment_target (90%) of requests meet both SLOs (TTFT and TPOT), found by bisection
-over the rate with the simulator (experiments/sim/), the workload's shape at each rate.
+over the rate with the simulator (experiments/sim/), the workload's shape at each rate. A simulation
+at a rate serves at least `requests_per_worker` requests per worker and at least HORIZON times the
+latency the SLOs allow (TTFT + output x TPOT, or the part the phase judges) worth of arrivals: a
+burst of a few requests meets any SLO, so only a run long enough for a queue to build shows a rate
+the cluster cannot keep up with.
 
 Candidates: colocated prefill_first, colocated chunked at each chunk size in `chunks`, and every P:D
 split of the N GPUs. Searching each of N - 1 splits at full scale would take N simulations per rate;
@@ -10,7 +14,8 @@ as DistServe does, the phases are measured apart and combined instead:
 - a prefill worker's capacity g_p: the highest rate per prefill worker at which the TTFT target
   holds (a `probe`-sized disaggregated cluster with as many decode workers, the decode side
   irrelevant to TTFT); a decode worker's capacity g_d: the highest rate per decode worker at which the
-  TPOT target holds (prefill over-provisioned, at most half busy at that rate);
+  TPOT target holds (the same cluster with prompts made free: its prefill steps take 1 us, so only
+  the decode side and the KV links load it);
 - split P:D then serves min(P g_p, D g_d), its goodput per GPU that over N;
 - a colocated layout's capacity per GPU comes from a `probe`-GPU colocated cluster.
 The best and the runner-up (the best of another kind: colocated against disaggregated, else the
@@ -25,11 +30,31 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import apply_layout, parse
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
+
+
+HORIZON = 10              # a probe's arrivals span at least this many times the latency its SLOs allow
+MAX_REQUESTS = 200_000    # ... up to this many requests
+
+
+class FreeStep:
+    """A step model whose steps take 1 us: the prefill side of the decode probe."""
+
+    name = "free"
+
+    def time(self, f) -> float:
+        return 1e-6
+
+    def gap(self, num_seqs: int) -> float:
+        return 0.0
+
+    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
+        return np.full(k, 1e-6)
 
 
 @dataclass
@@ -76,31 +101,38 @@ def attainment(sim, ttft_s: float, tpot_s: float, phase: str = "both") -> float:
 class Search:
     """Bisection of the highest rate meeting the target, each probe one simulation."""
 
-    def __init__(self, cfg: DictConfig, requests_per_worker: int, steps: int, seed: int):
+    def __init__(self, cfg: DictConfig, requests_per_worker: int, steps: int, seed: int, costs=None):
         self.cfg, self.per_worker, self.steps, self.seed = cfg, requests_per_worker, steps, seed
         self.num_sims = 0
         base = parse(apply_layout(cfg, "colocated-chunked"))
         self.slo, self.target = base.slo, base.slo.attainment_target
-        self.costs = costs_for(base)
+        self.costs = costs or costs_for(base)
 
-    def run(self, spec, rate: float, n: int):
+    def horizon_s(self, spec, phase: str) -> float:
+        """HORIZON times the latency the SLOs of `phase` allow a request of mean output length."""
+        w = spec.workload
+        out = float(w.output_len.sample(np.random.default_rng(0), 1000, w.length_scale or 1.0).mean())
+        ttft, tpot = self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3
+        return HORIZON * {"prefill": ttft, "decode": out * tpot, "both": ttft + out * tpot}[phase]
+
+    def run(self, spec, rate: float, n: int, phase: str = "both", costs=None):
+        n = min(MAX_REQUESTS, max(n, math.ceil(rate * self.horizon_s(spec, phase))))
         w = dataclasses.replace(spec.workload, rate=rate, num_requests=n)
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, self.seed, token_ids=False)
         self.num_sims += 1
-        return simulate(spec, arrivals, self.costs, record_steps=False, keep_tokens=False)
+        return simulate(spec, arrivals, costs or self.costs, record_steps=False, keep_tokens=False)
 
-    def meets(self, spec, rate: float, n: int, phase: str) -> tuple[bool, float]:
-        a = attainment(self.run(spec, rate, n), self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
+    def meets(self, spec, rate: float, n: int, phase: str, costs=None) -> tuple[bool, float]:
+        a = attainment(self.run(spec, rate, n, phase, costs), self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
         return a >= self.target, a
 
-    def highest(self, spec, per: int, phase: str, guess: float, make=None) -> tuple[float, float | None]:
+    def highest(self, spec, per: int, phase: str, guess: float, costs=None) -> tuple[float, float | None]:
         """Highest rate per `per` workers meeting the target (0.0 if even a trickle misses it) and the
-        attainment there. `make(rate)` may rebuild the spec for each rate (decode probes)."""
+        attainment there; `costs` in place of the search's (the decode probe's)."""
         n = self.per_worker * per
 
         def ok(r):
-            s = make(r) if make else spec
-            return self.meets(s, r * per, n, phase)
+            return self.meets(spec, r * per, n, phase, costs)
 
         lo, hi, att = 0.0, guess, None
         good, a = ok(hi)
@@ -129,9 +161,11 @@ class Search:
 
 
 def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests_per_worker: int = 200,
-         steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0) -> dict:
+         steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0, costs=None) -> dict:
+    """The search of the module docstring; `costs` (experiments/sim/costs.py) replace the hardware
+    group's."""
     started = time.perf_counter()
-    s = Search(cfg, requests_per_worker, steps, seed)
+    s = Search(cfg, requests_per_worker, steps, seed, costs)
     guess = 1.0
     out: list[Candidate] = []
     k = max(1, min(probe, gpus))
@@ -146,12 +180,8 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
         kp = max(1, min(probe, gpus // 2))
         pspec = _spec(cfg, f"{kp}p{kp}d", 2 * kp)
         g_p, a_p = s.highest(pspec, kp, "prefill", guess)
-
-        def decode_spec(rate_per_decode):
-            m = max(1, math.ceil(rate_per_decode * kp / max(0.5 * g_p, 1e-9))) if g_p else kp
-            return _spec(cfg, f"{m}p{kp}d", m + kp)
-
-        g_d, a_d = s.highest(None, kp, "decode", guess, make=decode_spec)
+        free = dataclasses.replace(s.costs, role_step={"prefill": FreeStep()}, export=(0.0, 0.0))
+        g_d, a_d = s.highest(pspec, kp, "decode", guess, free)
         phases = {"prefill_per_worker": g_p, "decode_per_worker": g_d, "probe_workers": kp,
                   "prefill_attainment": a_p, "decode_attainment": a_d}
         for p in range(1, gpus):
