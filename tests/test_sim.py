@@ -345,3 +345,31 @@ def test_planner_keeps_colocated_when_decodes_dominate():
     best, runner = result["best"], result["runner_up"]
     assert best.layout.startswith("colocated") and runner.layout == "1p3d"
     assert runner.goodput_per_gpu == pytest.approx(0.75 * best.goodput_per_gpu, rel=0.1)
+
+
+def test_lazy_block_manager_hands_out_the_real_one_s_blocks():
+    import random
+
+    from experiments.sim.blocks import LazyBlockManager
+    from workers.block_manager import BlockManager
+
+    rnd = random.Random(3)
+    real, lazy = BlockManager(40, 4), LazyBlockManager(40, 4)
+    tables_r, tables_l = [], []
+    for _ in range(400):
+        if tables_r and rnd.random() < 0.4:
+            i = rnd.randrange(len(tables_r))
+            real.free(tables_r.pop(i))
+            lazy.free(tables_l.pop(i))
+        else:
+            n = rnd.randint(1, 30)
+            assert real.can_allocate([], n) == lazy.can_allocate([], n)
+            if real.can_allocate([], n):
+                tr, tl = [], []
+                real.allocate(tr, n)
+                lazy.allocate(tl, n)
+                tables_r.append(tr)
+                tables_l.append(tl)
+        assert tables_r == tables_l and real.num_free == lazy.num_free
+        lazy.check()
+    assert len(lazy.ref_counts) == lazy._free.fresh      # counts only for blocks ever handed out

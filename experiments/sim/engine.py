@@ -1,7 +1,7 @@
 """One simulated worker's engine: pdlab's own Scheduler and BlockManager, a step-time model for the forward.
 
-`SimEngine` holds a real `workers.scheduler.Scheduler` over a real `workers.block_manager.BlockManager`
-and post-processes each scheduled step as `workers.engine.Engine.step` does (computed tokens advance,
+`SimEngine` holds a real `workers.scheduler.Scheduler` over `workers.block_manager.BlockManager`'s
+logic (with storage for the blocks in use only: experiments/sim/blocks.py) and post-processes each scheduled step as `workers.engine.Engine.step` does (computed tokens advance,
 a chunk that catches its request up samples a token, a request ends on `max_tokens` or, on a prefill
 worker, hands off after its first token), with the step's duration from the step model instead of a
 forward pass. Requests are `SimRequest`s: workers.request.Request with counters in place of token
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.block_manager import BlockManager
+from experiments.sim.blocks import LazyBlockManager
 from workers.config import EngineConfig, blocks_for
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -94,7 +94,7 @@ class SimEngine:
         self.cfg = cfg
         self.model = model
         self.noise = noise if noise is not None and noise.on else None
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = LazyBlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
