@@ -3,10 +3,12 @@
 The criterion is DistServe's: a layout's goodput per GPU is the highest request rate per GPU at which
 at least slo.attainment_target (90%) of requests meet both SLOs (TTFT and TPOT), found by bisection
 over the rate with the simulator (experiments/sim/), the workload's shape at each rate. A simulation
-at a rate serves at least `requests_per_worker` requests per worker and at least HORIZON times the
-latency the SLOs allow (TTFT + output x TPOT, or the part the phase judges) worth of arrivals: a
-burst of a few requests meets any SLO, so only a run long enough for a queue to build shows a rate
-the cluster cannot keep up with.
+at a rate serves at least `requests_per_worker` requests per worker and arrivals over at least HORIZON
+times the slack in which a growing queue shows: a burst of a few requests meets any SLO, so only a run
+long enough for a queue to build shows a rate the cluster cannot keep up with. Where prompts queue
+(a prefill worker, a colocated one: a full batch or KV pool holds new prompts back) the queue shows in
+TTFT, so the horizon is HORIZON x the TTFT target; on a decode worker imported requests queue after
+their first token, which TPOT judges over the whole output: HORIZON x output length x TPOT target.
 
 Candidates: colocated prefill_first, colocated chunked at each chunk size in `chunks`, and every P:D
 split of the N GPUs. Searching each of N - 1 splits at full scale would take N simulations per rate;
@@ -39,7 +41,7 @@ from experiments.sim.backend import costs_for, simulate
 
 
 HORIZON = 10              # a probe's arrivals span at least this many times the latency its SLOs allow
-MAX_REQUESTS = 200_000    # ... up to this many requests
+MAX_REQUESTS = 50_000     # ... up to this many requests (a simulation's records stay under ~100 MB)
 
 
 class FreeStep:
@@ -109,21 +111,24 @@ class Search:
         self.costs = costs or costs_for(base)
 
     def horizon_s(self, spec, phase: str) -> float:
-        """HORIZON times the latency the SLOs of `phase` allow a request of mean output length."""
+        """How long a probe's arrivals last at least (the module docstring)."""
+        if phase != "decode":
+            return HORIZON * self.slo.ttft_ms / 1e3
         w = spec.workload
         out = float(w.output_len.sample(np.random.default_rng(0), 1000, w.length_scale or 1.0).mean())
-        ttft, tpot = self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3
-        return HORIZON * {"prefill": ttft, "decode": out * tpot, "both": ttft + out * tpot}[phase]
+        return HORIZON * out * self.slo.tpot_ms / 1e3
 
-    def run(self, spec, rate: float, n: int, phase: str = "both", costs=None):
-        n = min(MAX_REQUESTS, max(n, math.ceil(rate * self.horizon_s(spec, phase))))
+    def run(self, spec, rate: float, n: int, phase: str = "both", costs=None, horizon: bool = True):
+        if horizon:
+            n = min(MAX_REQUESTS, max(n, math.ceil(rate * self.horizon_s(spec, phase))))
         w = dataclasses.replace(spec.workload, rate=rate, num_requests=n)
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, self.seed, token_ids=False)
         self.num_sims += 1
         return simulate(spec, arrivals, costs or self.costs, record_steps=False, keep_tokens=False)
 
-    def meets(self, spec, rate: float, n: int, phase: str, costs=None) -> tuple[bool, float]:
-        a = attainment(self.run(spec, rate, n, phase, costs), self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
+    def meets(self, spec, rate: float, n: int, phase: str, costs=None, horizon: bool = True) -> tuple[bool, float]:
+        sim = self.run(spec, rate, n, phase, costs, horizon)
+        a = attainment(sim, self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
         return a >= self.target, a
 
     def highest(self, spec, per: int, phase: str, guess: float, costs=None) -> tuple[float, float | None]:
@@ -200,20 +205,22 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
 
 
 def verify(s: Search, cfg: DictConfig, c: Candidate, gpus: int, per_gpu: int) -> Candidate:
-    """The candidate simulated on all N GPUs at its predicted rate; while it misses the target there,
-    the rate is bisected down at full scale (at most `s.steps` more simulations)."""
+    """The candidate simulated on all N GPUs at its predicted rate, `per_gpu` requests each (the probes
+    ran long enough for queues to show; this checks what only the full cluster has: placement, links,
+    the split's balance); while it misses the target there, the rate is bisected down at full scale
+    (at most `s.steps` more simulations)."""
     spec = _spec(cfg, c.layout, gpus, c.chunk)
     n = per_gpu * gpus
     rate = c.goodput_per_gpu * gpus
     if rate <= 0:
         return dataclasses.replace(c, how=c.how + "; no rate meets the target")
-    good, a = s.meets(spec, rate, n, "both")
+    good, a = s.meets(spec, rate, n, "both", horizon=False)
     if good:
         return dataclasses.replace(c, how=f"{c.how}; full scale at that rate: {a:.1%}", attainment=a, rate=rate)
     lo, hi, att = 0.0, rate, a
     for _ in range(s.steps):
         mid = (lo + hi) / 2
-        ok, a2 = s.meets(spec, mid, n, "both")
+        ok, a2 = s.meets(spec, mid, n, "both", horizon=False)
         if ok:
             lo, att = mid, a2
         else:
@@ -228,7 +235,7 @@ def chunk_sizes(cfg: DictConfig) -> list[int]:
     if given:
         return [int(c) for c in given]
     base = cfg.scheduler.get("token_budget") or 256
-    return sorted({max(8, int(base * f)) for f in (0.5, 1, 2, 4)})
+    return sorted({max(8, int(base * f)) for f in (1, 2)})
 
 
 def plot(result: dict, path) -> None:

@@ -107,6 +107,7 @@ class Simulator:
         self.decode_policy = DECODE_POLICIES[cfg.router.decode_policy]()
         self.pack = cfg.placement in ("pack", "strict_pack")
         self.links = Links()
+        self.in_run: set[SimWorker] = set()       # workers with a decode run in flight
         self.records: dict[str, Record] = {}
         self.attempts: dict[int, Attempt] = {}
         self._num_attempts = self._num_handoffs = 0
@@ -194,7 +195,7 @@ class Simulator:
     def _refresh_kv(self) -> None:
         """Count the KV tokens of decode runs in flight, as far as their steps have reached the router."""
         seen = self.now - self.costs.return_s
-        for w in self.workers:
+        for w in self.in_run:
             if w.run is not None:
                 dyn = len(w.run.reqs) * w.steps_ended_by(seen)
                 self.loads[w.rank].kv_tokens += dyn - w.run_tokens
@@ -334,6 +335,7 @@ class Simulator:
         if k >= 1:
             run = e.start_run(t, k)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
+            self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
         sched, d = e.schedule()
@@ -380,6 +382,7 @@ class Simulator:
         b = len(run.reqs)
         self.loads[w.rank].kv_tokens += b * m - w.run_tokens
         w.run, w.run_tokens = None, 0
+        self.in_run.discard(w)
         for req, reason in out:
             att = req.attempt
             if att is None or not att.live:
@@ -460,6 +463,7 @@ class Simulator:
         w.handle.alive = False
         w.version += 1
         w.state, w.run, w.sched = "dead", None, None
+        self.in_run.discard(w)
         w.inbox.clear()
         self.push(self.now + self.costs.return_s, self._on_dead, w)
 
