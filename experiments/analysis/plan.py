@@ -2,28 +2,13 @@
 
 The criterion is DistServe's: a layout's goodput per GPU is the highest request rate per GPU at which
 at least slo.attainment_target (90%) of requests meet both SLOs (TTFT and TPOT), found by bisection
-over the rate with the simulator (experiments/sim/), the workload's shape at each rate. A simulation
-at a rate serves at least `requests_per_worker` requests per worker and arrivals over at least HORIZON
-times the slack in which a growing queue shows: a burst of a few requests meets any SLO, so only a run
-long enough for a queue to build shows a rate the cluster cannot keep up with. Where prompts queue
-(a prefill worker, a colocated one: a full batch or KV pool holds new prompts back) the queue shows in
-TTFT, so the horizon is HORIZON x the TTFT target; on a decode worker imported requests queue after
-their first token, which TPOT judges over the whole output: HORIZON x output length x TPOT target.
-
-Candidates: colocated prefill_first, colocated chunked at each chunk size in `chunks`, and every P:D
-split of the N GPUs. Searching each of N - 1 splits at full scale would take N simulations per rate;
-as DistServe does, the phases are measured apart and combined instead:
-- a prefill worker's capacity g_p: the highest rate per prefill worker at which the TTFT target
-  holds (a `probe`-sized disaggregated cluster with as many decode workers, the decode side
-  irrelevant to TTFT); a decode worker's capacity g_d: the highest rate per decode worker at which the
-  TPOT target holds (the same cluster with prompts made free: its prefill steps take 1 us, so only
-  the decode side and the KV links load it);
-- split P:D then serves min(P g_p, D g_d), its goodput per GPU that over N;
-- a colocated layout's capacity per GPU comes from a `probe`-GPU colocated cluster.
-The best and the runner-up (the best of another kind: colocated against disaggregated, else the
-next) are then simulated at full scale (N GPUs, `verify_requests_per_gpu` requests each) at their
-predicted rates, and each verified by bisection at full scale while it misses the target. The output
-says which numbers are phase estimates and which are full-scale simulations.
+over the rate with the simulator (experiments/sim/), the workload's shape at each rate. A rate is met
+when the attainment target holds and the cluster keeps up (`kept_up`): a burst of a few requests
+meets any SLO, so attainment alone would pass any rate; a queue that grows over the second half of
+the arrivals shows a rate the cluster cannot sustain however loose the SLOs. A probe serves at least
+`requests_per_worker` requests per worker and HORIZON x the TTFT target of arrivals (not the decode
+probe: its prompts are free), extended to RUN_LATENCIES median latencies when that is longer, so the
+second half starts after the run has warmed up.
 """
 from __future__ import annotations
 
@@ -40,7 +25,9 @@ from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
 
 
-HORIZON = 10              # a probe's arrivals span at least this many times the latency its SLOs allow
+HORIZON = 10              # a probe's arrivals span at least this many TTFT targets ...
+RUN_LATENCIES = 12        # ... and this many of its requests' median latency
+GROWTH = 0.02             # kept up: the queue grew by at most this share of the second half's arrivals
 MAX_REQUESTS = 50_000     # ... up to this many requests (a simulation's records stay under ~100 MB)
 
 
@@ -100,6 +87,23 @@ def attainment(sim, ttft_s: float, tpot_s: float, phase: str = "both") -> float:
     return good / max(len(recs), 1)
 
 
+def kept_up(sim, phase: str = "both") -> bool:
+    """The requests in the system (arrived, not ended; for the prefill phase, not through their first
+    token) grew over the second half of the arrivals by at most GROWTH of that half's arrivals, plus
+    three standard deviations of a steady count (Poisson: the square root of the count at the half)."""
+    recs = list(sim.records.values())
+    arrivals = np.sort([r.arrival_s for r in recs])
+    done = [r.first_time if phase == "prefill" else r.end_time for r in recs]
+    ends = np.sort([math.inf if t is None else t for t in done])
+    half, last = arrivals[-1] / 2, arrivals[-1]
+
+    def in_system(t):
+        return np.searchsorted(arrivals, t, side="right") - np.searchsorted(ends, t, side="right")
+
+    second = len(arrivals) - np.searchsorted(arrivals, half, side="right")
+    return in_system(last) - in_system(half) <= GROWTH * second + 3 * math.sqrt(in_system(half) + 1)
+
+
 class Search:
     """Bisection of the highest rate meeting the target, each probe one simulation."""
 
@@ -110,26 +114,30 @@ class Search:
         self.slo, self.target = base.slo, base.slo.attainment_target
         self.costs = costs or costs_for(base)
 
-    def horizon_s(self, spec, phase: str) -> float:
-        """How long a probe's arrivals last at least (the module docstring)."""
-        if phase != "decode":
-            return HORIZON * self.slo.ttft_ms / 1e3
-        w = spec.workload
-        out = float(w.output_len.sample(np.random.default_rng(0), 1000, w.length_scale or 1.0).mean())
-        return HORIZON * out * self.slo.tpot_ms / 1e3
+    def run(self, spec, rate: float, n: int, costs=None, horizon: bool = True, phase: str = "both"):
+        """A simulation at `rate`; with `horizon`, long enough to judge `phase` (the module docstring:
+        the latency is to the first token for the prefill phase, to the last otherwise)."""
+        if horizon and phase != "decode":           # a decode probe's prompts are free: no TTFT to queue in
+            n = min(MAX_REQUESTS, max(n, math.ceil(rate * HORIZON * self.slo.ttft_ms / 1e3)))
+        sim = self._simulate(spec, rate, n, costs)
+        if horizon and n < MAX_REQUESTS:
+            ends = [(r.first_time if phase == "prefill" else r.last_time) - r.arrival_s
+                    for r in sim.records.values() if r.status == "ok"]
+            want = math.ceil(rate * RUN_LATENCIES * float(np.median(ends))) if ends else n
+            if want > n:
+                sim = self._simulate(spec, rate, min(MAX_REQUESTS, want), costs)
+        return sim
 
-    def run(self, spec, rate: float, n: int, phase: str = "both", costs=None, horizon: bool = True):
-        if horizon:
-            n = min(MAX_REQUESTS, max(n, math.ceil(rate * self.horizon_s(spec, phase))))
+    def _simulate(self, spec, rate: float, n: int, costs):
         w = dataclasses.replace(spec.workload, rate=rate, num_requests=n)
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, self.seed, token_ids=False)
         self.num_sims += 1
         return simulate(spec, arrivals, costs or self.costs, record_steps=False, keep_tokens=False)
 
     def meets(self, spec, rate: float, n: int, phase: str, costs=None, horizon: bool = True) -> tuple[bool, float]:
-        sim = self.run(spec, rate, n, phase, costs, horizon)
+        sim = self.run(spec, rate, n, costs, horizon, phase)
         a = attainment(sim, self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
-        return a >= self.target, a
+        return a >= self.target and (not horizon or kept_up(sim, phase)), a
 
     def highest(self, spec, per: int, phase: str, guess: float, costs=None) -> tuple[float, float | None]:
         """Highest rate per `per` workers meeting the target (0.0 if even a trickle misses it) and the
@@ -201,7 +209,8 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
     final = sorted(verified, key=lambda c: -c.goodput_per_gpu)
     return {"candidates": out, "best": final[0], "runner_up": final[1] if len(final) > 1 else None,
             "phases": phases, "num_sims": s.num_sims, "elapsed_s": time.perf_counter() - started,
-            "costs": s.costs.source, "gpus": gpus, "target": s.target, "slo": dataclasses.asdict(s.slo)}
+            "costs": s.costs.source, "gpus": gpus, "target": s.target, "slo": dataclasses.asdict(s.slo),
+            "steps": steps}
 
 
 def verify(s: Search, cfg: DictConfig, c: Candidate, gpus: int, per_gpu: int) -> Candidate:
@@ -271,7 +280,9 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"runner-up: {run.name}: {run.goodput_per_gpu:.3g} req/s per GPU ({run.how})")
         if run.goodput_per_gpu > 0:
             x = best.goodput_per_gpu / run.goodput_per_gpu
-            lines.append(f"margin: the best gives {x:.3g}x the runner-up's goodput per GPU ({x - 1:+.1%})")
+            res = 2.0 ** -result["steps"]          # the bisection's last bracket, relative to the rate
+            lines.append(f"margin: the best gives {x:.3g}x the runner-up's goodput per GPU ({x - 1:+.1%})" +
+                         (f"; the rate search resolves about {res:.0%}, so this is a tie" if x - 1 < res else ""))
     return lines
 
 
