@@ -121,14 +121,17 @@ class Simulator:
 
     def run(self, arrivals) -> list[Record]:
         """Serve `arrivals` (objects with id, arrival_s, prompt_len or prompt_ids, max_tokens) to the end."""
+        recs = []
         for a in arrivals:
             n = getattr(a, "prompt_len", None) or getattr(a, "num_prompt_tokens", None) or len(a.prompt_ids)
             rec = Record(str(a.id), n, a.max_tokens, float(a.arrival_s))
             if rec.id in self.records:
                 raise ValueError(f"request id {rec.id!r} is used twice")
             self.records[rec.id] = rec
-            self.push(rec.arrival_s, self._arrive, rec)
-            self.push(rec.arrival_s + self.cfg.router.request_timeout_s, self._timeout, rec)
+            recs.append(rec)
+        recs.sort(key=lambda r: r.arrival_s)           # stable: equal times keep their order
+        self._pending = iter(recs)                     # each arrival queues the next: the heap holds one
+        self._next_arrival()
         f = self.cfg.fault
         if f.kill_worker:
             role, _, index = f.kill_worker.partition(":")
@@ -145,7 +148,14 @@ class Simulator:
         return list(self.records.values())
 
     # -- router: admission, dispatch, endings -------------------------------------------------------
+    def _next_arrival(self) -> None:
+        rec = next(self._pending, None)
+        if rec is not None:
+            self.push(rec.arrival_s, self._arrive, rec)
+
     def _arrive(self, rec: Record) -> None:
+        self._next_arrival()
+        self.push(rec.arrival_s + self.cfg.router.request_timeout_s, self._timeout, rec)
         n, mt, limit = rec.prompt_len, rec.max_tokens, self.cfg.max_model_len
         why = None
         if n < 1 or mt < 1:
