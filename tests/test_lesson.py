@@ -104,6 +104,9 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
     assert "no cell in this run" in text                   # quick mode measures no decision cell
+    sim = results["decision"]["simulated"]                 # the map is simulated, every cell saying with what
+    assert sim["source"] == "simulated with roofline h200" and f"every cell {sim['source']}" in text
+    assert all(c["source"] == sim["source"] and c["winner"] for s in sim["by_slo"].values() for c in s["grid"])
     h200 = results["roofline"]["hardware"]["h200"]
     assert h200["ridge"] == pytest.approx(989e12 / 4.8e12)
 

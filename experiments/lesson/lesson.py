@@ -21,7 +21,7 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.analysis import decision
+from experiments.analysis import decision_sim
 from experiments.lesson import plots as lesson_plots, text as lesson_text
 from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
@@ -127,7 +127,7 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
 
 # -- 4. when to disaggregate ---------------------------------------------------------------------
 def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
-    m, e = cfg.decision.measured, cfg.decision.estimated
+    m, e = cfg.decision.measured, cfg.decision.simulated
     layouts = ["colocated-prefill_first", "colocated-chunked", _disagg(cfg.gpus)]
     named = {}
     for lp in m.prompt_lens:
@@ -143,27 +143,22 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
             modes = {lay: served[f"p{lp}_o{lo}/{lay}"] for lay in layouts}
             measured.append({"prompt_len": lp, "output_len": lo, "modes": modes, "winner": _winner(modes)})
     mcfg, hw = preset(e.model), HARDWARE[e.hardware]
-    estimated = {}
-    for name, slo_ms in e.slos.items():
-        slo = (slo_ms.ttft_ms / 1e3, slo_ms.tpot_ms / 1e3)
-        grid = []
-        for lp in e.prompt_lens:
-            for lo in e.output_lens:
-                ests = decision.estimate(mcfg, hw, e.gpus, lp, lo, e.link_bw, *slo)
-                grid.append({"prompt_len": lp, "output_len": lo, "winner": decision.best(ests).mode,
-                             "modes": {x.mode: {"goodput_per_gpu": x.goodput_per_gpu, "ttft_s": x.ttft_s,
-                                                "tpot_s": x.tpot_s, "detail": _plain(x.detail)} for x in ests}})
-        by_prompt = decision.crossover_prompt_len(mcfg, hw, e.gpus, e.crossover_output_len, e.link_bw, *slo,
-                                                  prompt_lens=list(e.prompt_lens))
-        by_link = decision.crossover_link_bw(mcfg, hw, e.gpus, e.crossover_prompt_len, e.crossover_output_len, *slo,
-                                             link_bws=list(e.link_bws))
-        estimated[name] = {"slo": dict(slo_ms), "grid": grid, "by_prompt": _plain(by_prompt), "by_link": _plain(by_link)}
-    lesson_plots.decision_plot(estimated, measured, out / "decision.png",
+    base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
+                                        f"seed={cfg.seed}"])
+    started = time.time()
+    simulated = decision_sim.simulated_map(
+        base, e.gpus, list(e.prompt_lens), list(e.output_lens), {k: dict(v) for k, v in e.slos.items() if v}, e.link_bw,
+        list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
+        e.steps)
+    cells = [c for s in simulated.values() for c in s["grid"]]
+    lesson_plots.decision_plot(simulated, measured, out / "decision.png",
                                title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
     return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
-            "estimated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
+            "simulated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
+                          "source": cells[0]["source"] if cells else None, "elapsed_s": time.time() - started,
+                          "num_sims": sum(c["num_sims"] for c in cells),
                           "crossover_output_len": e.crossover_output_len,
-                          "crossover_prompt_len": e.crossover_prompt_len, "by_slo": estimated}}
+                          "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
 
 
 def _winner(modes: dict) -> str:

@@ -122,7 +122,7 @@ MODE_COLORS = {"colocated_prefill_first": "#d62728", "colocated_chunked": "#2ca0
 
 CELL_NAMES = {"colocated_prefill_first": "prefill first", "colocated-prefill_first": "prefill first",
               "colocated_chunked": "chunked", "colocated-chunked": "chunked", "disaggregated": "disagg.",
-              "tie": "no sig. diff."}
+              "tie": "no sig. diff.", "none": "none meets\nthe SLOs"}
 
 
 def _cells(ax, rows: list[dict], tag: str, title: str) -> None:
@@ -146,13 +146,13 @@ def _cells(ax, rows: list[dict], tag: str, title: str) -> None:
     ax.set_title(title, fontsize=10)
 
 
-def decision_plot(estimated: dict, measured: list[dict], path, title: str) -> None:
-    """Which mode gives the most goodput per GPU: one estimated map per SLO, then the cells measured here."""
-    n = len(estimated)
+def decision_plot(simulated: dict, measured: list[dict], path, title: str) -> None:
+    """Which mode gives the most goodput per GPU: one simulated map per SLO, then the cells measured here."""
+    n = len(simulated)
     fig, axes = plt.subplots(1, n + 1, figsize=(6 * n + 4, 5), gridspec_kw={"width_ratios": [3] * n + [1.6]})
-    for ax, (name, est) in zip(axes, estimated.items()):
+    for ax, (name, est) in zip(axes, simulated.items()):
         slo = est["slo"]
-        _cells(ax, est["grid"], "est.", f"estimated, {name} SLO (TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
+        _cells(ax, est["grid"], "sim.", f"simulated, {name} SLO (TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms)")
     if measured:
         _cells(axes[-1], measured, "meas.", "measured here")
     else:

@@ -226,8 +226,8 @@ def caveats(r: dict, n: int) -> str:
                      "over loopback, not NVLink or a network. The GPU numbers are roofline estimates from datasheet "
                      "peaks; run the lesson on a GPU node (model=llama-3-8b) to measure them.")
     else:
-        lines.append(f"The measured parts ran on {r['device']}. The estimated map still rests on datasheet peaks "
-                     "and a first-order queueing model.")
+        lines.append(f"The measured parts ran on {r['device']}. The simulated map still rests on datasheet "
+                     "peaks at the efficiencies experiments/sim/stepmodel.py states.")
     if shared:
         lines += ["", f"In {len(shared)} of {len(runs)} served points {SHARED}."]
     if loaded:

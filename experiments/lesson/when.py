@@ -1,6 +1,6 @@
 """The section of lesson.md on when to disaggregate: the measured cells (a winner only where its goodput
-interval lies above every other's) and the estimated map (experiments/analysis/decision.py, a model: its
-counts are facts of the model, marked as estimates). Words only, as in text.py."""
+interval lies above every other's) and the simulated map (experiments/analysis/decision_sim.py: the
+planner's search in the simulator, with the costs each cell names). Words only, as in text.py."""
 from __future__ import annotations
 
 from experiments.lesson.text import CI, cell, name, num
@@ -8,7 +8,7 @@ from experiments.lesson.text import CI, cell, name, num
 
 def when(r: dict, n: int) -> str:
     de = r["decision"]
-    est = de["estimated"]
+    est = de["simulated"]
     lines = [f"## {n}. When to disaggregate", "", "![decision](decision.png)", ""]
     if de["measured"]:
         layouts = list(de["measured"][0]["modes"])
@@ -23,14 +23,17 @@ def when(r: dict, n: int) -> str:
     else:
         lines += ["**Measured here:** no cell in this run (quick mode measures none).", ""]
     lines += [
-        f"**Estimated** for {est['model']} on {est['hardware']} with {est['gpus']} GPUs and a "
-        f"{num(est['link_bw'] / 1e9)} GB/s KV link, by `experiments/analysis/decision.py`: roofline step times with "
-        "queueing and transfer cost, a first-order model, not a measurement. Its roofline lets a chunk's "
-        "compute hide entirely under a decode step's memory traffic, which flatters chunked prefill.",
+        f"**Simulated** for {est['model']} on {est['hardware']} with {est['gpus']} GPUs and a "
+        f"{num(est['link_bw'] / 1e9)} GB/s KV link, every cell {est['source']} "
+        "(`experiments/analysis/decision_sim.py`: the planner's search in the simulator, running pdlab's scheduler, "
+        "block manager and router; a mode's goodput per GPU is the highest rate at which the share of requests within "
+        f"both SLOs meets the attainment target, so tails, queueing, batching and preemption count; {est['num_sims']} "
+        f"simulations in {num(est['elapsed_s'])} s). The step times are the roofline's at the efficiencies `experiments/sim/"
+        "stepmodel.py` states, not a measurement on that GPU.",
         "",
     ]
     for slo_name, s in est["by_slo"].items():
-        lines += [_estimate_paragraph(slo_name, s, est), ""]
+        lines += [_map_paragraph(slo_name, s, est), ""]
     lines.append(_answer(de))
     return "\n".join(lines)
 
@@ -42,7 +45,7 @@ def _wins(cells: list[dict]) -> dict:
     return wins
 
 
-def _estimate_paragraph(slo_name: str, s: dict, est: dict) -> str:
+def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
     cells = s["grid"]
     share = ", ".join(f"{name(k)} {v} of {len(cells)} cells"
                       for k, v in sorted(_wins(cells).items(), key=lambda kv: -kv[1]))
@@ -69,7 +72,7 @@ def _estimate_paragraph(slo_name: str, s: dict, est: dict) -> str:
 
 
 def _answer(de: dict) -> str:
-    by = de["estimated"]["by_slo"]
+    by = de["simulated"]["by_slo"]
     counts = {k: sum(c["winner"] == "disaggregated" for c in s["grid"]) for k, s in by.items()}
     total = {k: len(s["grid"]) for k, s in by.items()}
     where = "; ".join(f"under the {k} SLO in {counts[k]} of {total[k]} cells" for k in by)
@@ -87,4 +90,4 @@ def _answer(de: dict) -> str:
     ties = [c for c in measured if c["winner"] == "tie"]
     here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
             "significant winner." if measured else " Nothing was measured here in this run.")
-    return f"**Answer.** In the estimate disaggregation wins {where}.{why_text}{here}"
+    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}"
