@@ -373,3 +373,35 @@ def test_lazy_block_manager_hands_out_the_real_one_s_blocks():
         assert tables_r == tables_l and real.num_free == lazy.num_free
         lazy.check()
     assert len(lazy.ref_counts) == lazy._free.fresh      # counts only for blocks ever handed out
+
+
+# -- the commands -----------------------------------------------------------------------------------
+def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
+    """backend=sim through experiments.run writes the files of a real run; experiments.validate replays
+    that directory (here against the simulator itself, with the profile in the repository) and ends
+    with exactly the JSON line the issue gives, every error small."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    profile = next((ROOT / "profiles").glob("*/tiny-float32-1t.json"))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={profile}",
+                           "workload.num_requests=30", f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for point in ("colocated-prefill_first", "colocated-chunked", "1p1d"):
+        rep = run / point / "rep0"
+        assert {"config.yaml", "requests.jsonl", "steps.jsonl", "metrics.json"} <= {p.name for p in rep.iterdir()}
+        assert json.loads((rep / "metrics.json").read_text())["simulated"]["costs"].startswith("profile ")
+    assert (run / "report.md").is_file()
+    proc = subprocess.run([sys.executable, "-m", "experiments.validate", str(run), "--profile", str(profile)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(line) == {"errors", "max_abs_error"}
+    assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
+    means = [abs(e) for k, e in line["errors"].items() if k.endswith("_mean")]
+    assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
