@@ -148,19 +148,23 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
         grid = []
         for lp in e.prompt_lens:
             for lo in e.output_lens:
-                ests = decision.estimate(mcfg, hw, e.gpus, lp, lo, e.link_bw, *slo)
+                ests = decision.estimate(mcfg, hw, e.gpus, lp, lo, e.link_bw, *slo, stream=e.stream)
                 grid.append({"prompt_len": lp, "output_len": lo, "winner": decision.best(ests).mode,
                              "modes": {x.mode: {"goodput_per_gpu": x.goodput_per_gpu, "ttft_s": x.ttft_s,
                                                 "tpot_s": x.tpot_s, "detail": _plain(x.detail)} for x in ests}})
         by_prompt = decision.crossover_prompt_len(mcfg, hw, e.gpus, e.crossover_output_len, e.link_bw, *slo,
-                                                  prompt_lens=list(e.prompt_lens))
+                                                  prompt_lens=list(e.prompt_lens), stream=e.stream)
         by_link = decision.crossover_link_bw(mcfg, hw, e.gpus, e.crossover_prompt_len, e.crossover_output_len, *slo,
-                                             link_bws=list(e.link_bws))
-        estimated[name] = {"slo": dict(slo_ms), "grid": grid, "by_prompt": _plain(by_prompt), "by_link": _plain(by_link)}
+                                             link_bws=list(e.link_bws), stream=e.stream)
+        least = {s: decision.least_link_bw(mcfg, hw, e.gpus, e.crossover_prompt_len, e.crossover_output_len, *slo,
+                                           stream=s) for s in decision.STREAMS}
+        estimated[name] = {"slo": dict(slo_ms), "grid": grid, "by_prompt": _plain(by_prompt), "by_link": _plain(by_link),
+                           "least_link_bw": least}
     lesson_plots.decision_plot(estimated, measured, out / "decision.png",
                                title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
     return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
             "estimated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
+                          "stream": e.stream,
                           "crossover_output_len": e.crossover_output_len,
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": estimated}}
 

@@ -103,6 +103,13 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
     assert "no cell in this run" in text                   # quick mode measures no decision cell
+    # the map counts the exposed transfer, and says what streaming saves in link bandwidth, from its numbers
+    est = results["decision"]["estimated"]
+    assert est["stream"] == "layer" and "only the exposed transfer delays the second token" in text
+    for s in est["by_slo"].values():
+        off, layer = s["least_link_bw"]["off"], s["least_link_bw"]["layer"]
+        if off is not None and layer is not None and off > 1.02 * layer:
+            assert f"overlap lets a link {lesson_text.num(off / layer)}x slower do" in text
     h200 = results["roofline"]["hardware"]["h200"]
     assert h200["ridge"] == pytest.approx(989e12 / 4.8e12)
 
