@@ -1,5 +1,6 @@
 """The transfer benchmark runs end to end on CPU and reports each backend next to its raw ceiling."""
 import json
+import os
 import subprocess
 import sys
 
@@ -21,3 +22,18 @@ def test_transfer_bench_reports_both_backends_and_their_ceilings():
         assert row[f"{backend}_gbps"] > 0 and row[f"{raw}_gbps"] > 0
         assert row[f"{backend}_ratio"] == pytest.approx(row[f"{backend}_gbps"] / row[f"{raw}_gbps"], rel=1e-4)
     assert summary["met_target"] == {"nccl": None, "zmq": None}, "the target is judged at 256 MiB only"
+
+
+def test_overlap_bench_hides_the_transfer_and_keeps_the_tokens(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cluster.overlap_bench", "--shapes", "tiny", "--prompts", "512",
+                           "--backends", "zmq", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    lists = {k: v for k, v in out.items() if k != "identical"}
+    assert {len(v) for v in lists.values()} == {1}, "the lists are aligned row by row"
+    assert out["shape"] == ["tiny"] and out["num_layers"] == [4] and out["transport"] == ["zmq"]
+    assert out["prompt_tokens"] == [512] and out["identical"] is True
+    assert out["transfer_ms"][0] > 0 and out["exposed_ms_off"][0] > 0
+    # with the KV following the prefill, the bytes land after the prefill ends; the bulk time is on the path
+    assert out["exposed_ms_off"][0] >= 0.5 * out["transfer_ms"][0]
