@@ -1,4 +1,4 @@
-"""The transfer benchmark runs end to end on CPU and reports each backend next to its raw ceiling."""
+"""The benchmarks run end to end on CPU: transfer against raw ceilings, KV overlap, the engine against HF."""
 import json
 import os
 import subprocess
@@ -37,3 +37,17 @@ def test_overlap_bench_hides_the_transfer_and_keeps_the_tokens(tmp_path):
     assert out["transfer_ms"][0] > 0 and out["exposed_ms_off"][0] > 0
     # with the KV following the prefill, the bytes land after the prefill ends; the bulk time is on the path
     assert out["exposed_ms_off"][0] >= 0.5 * out["transfer_ms"][0]
+
+
+def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "workers.bench", "--case", "mixed", "--shape", "64,2,4,2,128,256",
+                           "--repeats", "1", "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PDLAB_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (r,) = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    assert r["case"] == "mixed" and r["identical"] and r["num_identical"] == r["num_prompts"] == 16
+    assert r["speedup"] == pytest.approx(r["hf_s"] / r["pdlab_s"])
+    assert 0 < r["matmul_floor_s"] and r["max_speedup"] == pytest.approx(r["hf_s"] / r["matmul_floor_s"])
+    b = r["breakdown"]
+    assert b["decode"]["steps"] == 63 and b["decode"]["tokens_per_step"] == 16     # 64 tokens: 1 from the prefill
+    assert b["prefill"]["steps"] * 2048 >= 16 * 256
