@@ -9,6 +9,7 @@ freed, with an `import_failed` event. Used by the worker's loop thread only.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,27 @@ from cluster.transfer.base import Begin, Cancel, Delivery, End, Part
 from cluster.transfer.wire import KVHandoff
 from workers.engine import Engine
 from workers.request import InvalidRequest
+
+
+class RecentIds:
+    """The last `limit` ids added, for membership tests: what a long-running worker remembers of
+    the requests it aborted (so their late KV is dropped on arrival) without growing forever."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        self._ids.move_to_end(rid)
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def reason_of(e: Exception) -> str:
@@ -44,7 +66,7 @@ class KVIn:
         """Some transfer waits for blocks: the loop should keep trying."""
         return any(not i.began for i in self.incoming.values())
 
-    def receive(self, d: Delivery, aborted: set) -> None:
+    def receive(self, d: Delivery, aborted) -> None:
         rid = d.handoff.request_id if isinstance(d, Begin) else d.request_id
         inc = self.incoming.get(rid)
         if isinstance(d, Begin):

@@ -241,13 +241,14 @@ class WorkerPool:
     def kill(self, w: WorkerHandle) -> None:
         ray.kill(w.actor, no_restart=True)
 
-    def traces(self) -> dict[str, list[dict]]:
+    def traces(self, drain: bool = False) -> dict[str, list[dict]]:
+        """Each live worker's engine steps; drain=True takes them out of the workers."""
         out = {}
         for w in self.workers:
             if not w.alive:
                 continue
             try:
-                out[w.name] = ray.get(w.actor.trace.remote(), timeout=30)
+                out[w.name] = ray.get(w.actor.trace.remote(drain), timeout=30)
             except ray.exceptions.RayError:
                 w.alive = False
         return out

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.isolation import pin_process, usable_cores
-from cluster.kv_in import KVIn, reason_of
+from cluster.kv_in import KVIn, RecentIds, reason_of
 from cluster.kv_out import Exported, KVOut
 from cluster.transfer.base import Delivery, TransferConfig, TransferProblem
 from cluster.transfer.wire import Expect
@@ -52,6 +52,8 @@ from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.events import RequestFailed
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
+
+ABORTED_KEPT = 65536     # aborted request ids remembered, newest first: far more than are ever in flight
 
 
 @dataclass
@@ -120,12 +122,10 @@ class Worker:
         self._inbox: queue.Queue = queue.Queue()
         self._events: list[dict] = []
         self._cond = threading.Condition()
-        self._aborted: set[str] = set()
+        self._aborted = RecentIds(ABORTED_KEPT)      # late KV of these is dropped on arrival
         self.kv_in = KVIn(self.engine, self._emit)                    # decode role: KV arriving
         self.out = KVOut(self.engine, self._emit, self._inbox.put, lambda: self.transport)   # prefill role
         self._alive = True
-        self._stats_steps = self._num_preempted = 0   # steps of the trace counted by stats()
-        self._stats_lock = threading.Lock()
         self._loop = threading.Thread(target=self._run, name=f"engine-{rank}", daemon=True)
         self._loop.start()
 
@@ -208,20 +208,19 @@ class Worker:
             events, self._events = self._events, []
         return {"events": events}
 
-    def trace(self) -> list[dict]:
-        return [s.to_dict() for s in list(self.engine.trace)]
+    def trace(self, drain: bool = False) -> list[dict]:
+        """The engine's step records; drain=True also drops them here (a long-running server
+        collects them as it goes, so they do not pile up in the worker)."""
+        steps = self.engine.take_trace() if drain else list(self.engine.trace)
+        return [s.to_dict() for s in steps]
 
     def stats(self) -> dict:
         """Live gauges for a front end's /metrics, read without stopping the loop (each value is
         atomic; together they may be one step apart)."""
-        e, trace = self.engine, self.engine.trace
-        with self._stats_lock:
-            n = len(trace)
-            self._num_preempted += sum(s.num_preempted for s in trace[self._stats_steps:n])
-            self._stats_steps = n
+        e = self.engine
         return {"num_blocks_used": e.blocks.num_used, "num_kv_blocks": e.blocks.num_blocks,
                 "num_running": len(e.scheduler.running), "num_waiting": len(e.scheduler.waiting),
-                "num_steps": n, "num_preempted": self._num_preempted}
+                "num_steps": e.num_steps, "num_preempted": e.num_preempted}
 
     # -- the loop thread ------------------------------------------------------------------------
     def _emit(self, event: dict) -> None:

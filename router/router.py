@@ -230,10 +230,11 @@ class Router:
         """A time read on `worker`'s clock, on the router's."""
         return self.clocks[worker.rank].to_router(t)
 
-    def traces(self) -> dict[str, list[dict]]:
-        """The workers' engine steps (pool.traces()) with `start` and `end` on the router's clock."""
+    def traces(self, drain: bool = False) -> dict[str, list[dict]]:
+        """The workers' engine steps (pool.traces()) with `start` and `end` on the router's clock;
+        drain=True takes them out of the workers (a long-running server collects them as it goes)."""
         by_name = {w.name: w for w in self.pool.workers}
-        traces = self.pool.traces()
+        traces = self.pool.traces(drain)
         with self._lock:                      # the clock thread may be updating an estimate
             return {name: [{**s, "start": self.on_router_clock(by_name[name], s["start"]),
                             "end": self.on_router_clock(by_name[name], s["end"])} for s in steps]

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
 from experiments.run import CONF_DIR
-from experiments.serve import ensure_ray, request_row, write_jsonl
+from experiments.serving.serve import ensure_ray, request_row
 from router.frontend import Frontend
 from router.openai_api import build_app
 from router.prom import OUTCOMES, ServeMetrics
@@ -48,6 +48,7 @@ class ServeConfig:
     retry_after_s: int = 1
     drain_timeout_s: float = 30.0
     record: bool = True
+    steps_flush_s: float = 10.0
     access_log: bool = False
 
     def __post_init__(self):
@@ -58,6 +59,8 @@ class ServeConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        if not self.steps_flush_s > 0:
+            raise ValueError(f"steps_flush_s={self.steps_flush_s} must be > 0")
 
 
 def parse_serve(cfg: DictConfig) -> tuple[RunSpec, ServeConfig, str, TextTokenizer | None]:
@@ -149,6 +152,47 @@ def make_server(router, tokenizer, serve: ServeConfig, model_name: str, on_end=N
     return server
 
 
+class StepSink:
+    """Collects the workers' step records every `every_s` seconds, taking them out of the workers
+    (so a server that runs for days holds none), and appends them to steps.jsonl on the router's
+    clock, as experiments.run writes them; with no file it only drains."""
+
+    def __init__(self, router, path: Path | None, t0: float, every_s: float):
+        self.router, self.t0, self.every_s = router, t0, every_s
+        self.file = open(path, "w") if path is not None else None
+        self.num_steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="steps", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        for worker, steps in self.router.traces(drain=True).items():
+            self.num_steps += len(steps)
+            if self.file is not None:
+                for st in steps:
+                    row = {"worker": worker, **{k: v for k, v in st.items() if k not in ("start", "end")},
+                           "start_s": st["start"] - self.t0, "end_s": st["end"] - self.t0}
+                    self.file.write(json.dumps(row) + "\n")
+        if self.file is not None:
+            self.file.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.flush()
+            except Exception:                # a worker lost mid-call: the next round tries again
+                log.exception("collecting step records failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.flush()
+        finally:
+            if self.file is not None:
+                self.file.close()
+
+
 def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run_dir: Path | None) -> dict:
     from cluster.pool import WorkerPool
     from cluster.ray_cluster import stop_ray
@@ -166,21 +210,19 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
 
     ensure_ray(spec)
     pool = WorkerPool(spec.cluster, spec.model, spec.engines(), spec.transfer).start()
-    router = None
+    router = sink = None
     try:
         router = Router(pool, spec.router, spec.transfer, spec.fault).start()
+        sink = StepSink(router, run_dir / "steps.jsonl" if rows_file is not None else None, t0, serve_cfg.steps_flush_s)
         server = make_server(router, tokenizer, serve_cfg, model_name, on_end=record)
         text = "text and token-id prompts" if tokenizer else "token-id prompts only (no tokenizer.json)"
         chat = ", chat" if tokenizer is not None and tokenizer.chat_template else ""
         print(f"serving {model_name!r} on {pool.cfg.describe()} at http://{serve_cfg.host}:{serve_cfg.port}/v1 "
               f"({text}{chat}); Ctrl-C drains and stops", flush=True)
         server.run()
-        if rows_file is not None:    # each worker's step records, as experiments.run writes them
-            write_jsonl(run_dir / "steps.jsonl", ({"worker": worker, **{k: v for k, v in st.items()
-                                                                         if k not in ("start", "end")},
-                                                   "start_s": st["start"] - t0, "end_s": st["end"] - t0}
-                                                  for worker, steps in router.traces().items() for st in steps))
     finally:
+        if sink is not None:
+            sink.close()
         if router is not None:
             router.close()
         pool.shutdown()
@@ -194,7 +236,7 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
 
 
 def write_metrics(spec: RunSpec, run_dir: Path) -> dict | None:
-    from experiments.metrics import format_summary, summarize
+    from experiments.serving.metrics import format_summary, summarize
 
     path = run_dir / "requests.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from experiments.analysis.decision import (MODES, ModeEstimate, best, crossover_link_bw,
-                                  crossover_prompt_len, estimate)
+                                           crossover_prompt_len, estimate, exposed_transfer, least_link_bw)
 from experiments.analysis.roofline import HARDWARE, decode_cost, mixed_cost, prefill_cost
 from workers.config import preset
 
@@ -143,3 +143,25 @@ def test_crossover_prompt_len_reports_the_first_change():
     assert out["crossover_prompt_len"] == 4096
     flat = crossover_prompt_len(CFG, H200, 2, 256, 50e9, 1.0, 0.05, [512, 2048])
     assert flat["crossover_prompt_len"] is None and len(set(flat["winners"])) == 1
+
+
+def test_exposed_transfer_is_the_last_layer_while_the_link_keeps_up_and_the_tail_when_it_does_not():
+    # 32 layers, prefill 64 ms: a layer computes in 2 ms.
+    assert exposed_transfer(0.032, 0.064, 32, "off") == 0.032
+    assert exposed_transfer(0.032, 0.064, 32, "layer") == pytest.approx(0.001)      # 1 ms a layer < 2 ms
+    # 320 ms of transfer: the link falls behind; all but the first 31 layers' compute time shows.
+    assert exposed_transfer(0.320, 0.064, 32, "layer") == pytest.approx(0.320 - 0.062)
+    with pytest.raises(ValueError, match="stream='chunk'"):
+        estimate(CFG, H200, link_bw=NVLINK, stream="chunk", **TIGHT)
+
+
+def test_streaming_lowers_the_link_bandwidth_disaggregation_needs():
+    off = least_link_bw(CFG, H200, **TIGHT, stream="off")
+    layer = least_link_bw(CFG, H200, **TIGHT, stream="layer")
+    assert off is not None and layer is not None and layer < off / 2
+    for bw, stream in ((off * 1.05, "off"), (layer * 1.05, "layer")):      # it does win just above the bound
+        assert best(estimate(CFG, H200, link_bw=bw, stream=stream, **TIGHT)).mode == DISAGG
+    assert best(estimate(CFG, H200, link_bw=off * 0.9, stream="off", **TIGHT)).mode != DISAGG
+    assert best(estimate(CFG, H200, link_bw=layer * 0.9, stream="layer", **TIGHT)).mode != DISAGG
+    streamed = by_mode(estimate(CFG, H200, link_bw=layer * 1.05, stream="layer", **TIGHT))[DISAGG]
+    assert streamed.detail["t_exposed_s"] < streamed.detail["t_xfer_s"]

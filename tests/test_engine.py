@@ -83,6 +83,22 @@ def test_preemption_recomputes_identically_and_leaks_nothing(tiny):
     assert not engine.requests
 
 
+def test_take_trace_drains_the_records_and_numbering_goes_on(tiny):
+    prompts = random_prompts(6, tiny.cfg.vocab_size, [40, 33, 57, 21, 48, 30], seed=5)
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=24, block_size=8, token_budget=64))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(40))
+    taken = []
+    while engine.has_work():
+        engine.step()
+        if engine.num_steps % 7 == 0:
+            taken += engine.take_trace()
+            assert not engine.trace                     # a long-running worker holds no old steps
+    taken += engine.take_trace()
+    assert [s.step for s in taken] == list(range(engine.num_steps))
+    assert engine.num_preempted == sum(s.num_preempted for s in taken) > 0
+
+
 def test_block_manager_refcounts():
     bm = BlockManager(num_blocks=6, block_size=4)
     a, b = [], []

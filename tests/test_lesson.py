@@ -107,6 +107,12 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     sim = results["decision"]["simulated"]                 # the map is simulated, every cell saying with what
     assert sim["source"] == "simulated with roofline h200" and f"every cell {sim['source']}" in text
     assert all(c["source"] == sim["source"] and c["winner"] for s in sim["by_slo"].values() for c in s["grid"])
+    # the cells count the exposed transfer, and the text says what streaming saves in link bandwidth
+    assert sim["stream"] == "layer" and "only the exposed transfer delays the second token" in text
+    for s in sim["by_slo"].values():
+        off, layer = s["least_link_bw"]["off"], s["least_link_bw"]["layer"]
+        if off is not None and layer is not None and off > 1.02 * layer:
+            assert f"overlap lets a link {lesson_text.num(off / layer)}x slower do" in text
     h200 = results["roofline"]["hardware"]["h200"]
     assert h200["ridge"] == pytest.approx(989e12 / 4.8e12)
 

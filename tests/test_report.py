@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from experiments.report import report
 from experiments.report.report import fmt
@@ -180,9 +181,28 @@ def test_comparison_report(tmp_path, capsys):
         parts = {r["label"]: r for r in csv.DictReader(f)}
     zmq = parts["1P1D zmq"]
     assert int(zmq["num_requests"]) == 19      # the 1-token request and the failed one are skipped
-    assert abs(float(zmq["queue_ms"]) - 10.0) < 1e-9 and abs(float(zmq["transfer_ms"]) - 5.0) < 1e-9
+    assert abs(float(zmq["queue_ms"]) - 10.0) < 1e-9 and abs(float(zmq["exposed_ms"]) - 5.0) < 1e-9
     assert abs(float(zmq["first_decode_ms"]) - 20.0) < 1e-9   # itl[0] (25 ms) minus the 5 ms transfer
     assert abs(float(parts["colocated chunked x2"]["first_decode_ms"]) - 20.0) < 1e-9
+
+
+def test_breakdown_puts_only_the_exposed_transfer_on_the_critical_path():
+    from experiments.report.plots import first_decode_breakdown
+    bulk = {"status": "ok", "itl_s": [0.030, 0.010], "queue_s": 0.0, "prefill_s": 0.1,
+            "transfer_bytes": 1 << 20, "transfer_s": 0.020}                    # no exposed field: all of it
+    streamed = bulk | {"exposed_transfer_s": 0.002}                              # 18 ms hid behind the prefill
+    early = bulk | {"exposed_transfer_s": -0.001}                                # landed before the prefill ended
+    local = bulk | {"transfer_bytes": 0, "transfer_s": None}
+    rows = {k: first_decode_breakdown([r]) for k, r in
+            (("bulk", bulk), ("streamed", streamed), ("early", early), ("local", local))}
+    assert rows["bulk"]["exposed_ms"] == pytest.approx(20.0) and rows["bulk"]["first_decode_ms"] == pytest.approx(10.0)
+    assert rows["streamed"]["exposed_ms"] == pytest.approx(2.0)
+    assert rows["streamed"]["first_decode_ms"] == pytest.approx(28.0)
+    assert rows["streamed"]["transfer_ms"] == pytest.approx(20.0)                # the bulk time stays beside it
+    assert rows["early"]["exposed_ms"] == 0.0 and rows["early"]["first_decode_ms"] == pytest.approx(30.0)
+    assert rows["local"]["exposed_ms"] == 0.0 and rows["local"]["transfer_ms"] == 0.0
+    for r in rows.values():
+        assert r["total_ms"] == pytest.approx(r["queue_ms"] + r["prefill_ms"] + r["exposed_ms"] + r["first_decode_ms"])
 
 
 def test_rate_sweep_multirun_subprocess(tmp_path):

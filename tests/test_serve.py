@@ -100,6 +100,7 @@ def colocated_proc(checkpoint, tmp_path_factory):
     port, run_dir = free_port(), tmp_path_factory.mktemp("serve-run")
     cmd = [sys.executable, "-m", "router.serve", f"model.checkpoint={checkpoint}", "cluster.mode=colocated",
            "cluster.workers=1", "serve.max_queue=3", "serve.retry_after_s=2", f"serve.port={port}",
+           "serve.steps_flush_s=0.5",
            f"hydra.run.dir={run_dir}", *OVERRIDES]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -360,6 +361,10 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_releases_the_pool(coloca
     stopped = [r for r in rows if r["prompt_ids"] == reference["prompt_ids"] and r["finish_reason"] == "stop"]
     assert len(stopped) == 2 and all(r["status"] == "ok" for r in stopped), "stop string and stop token id"
     assert json.loads((colocated_proc.run_dir / "metrics.json").read_text())["num_completed"] >= 3
+    # step records were collected from the worker as it ran, in pieces: every step once, in order
+    steps = [json.loads(line) for line in (colocated_proc.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [st["step"] for st in steps] == list(range(len(steps))) and len(steps) >= 200
+    assert all(a["end_s"] <= b["start_s"] + 1e-6 for a, b in zip(steps, steps[1:]))
 
 
 def test_detokenizer_holds_a_split_character_and_loses_nothing(tmp_path):

@@ -196,3 +196,11 @@ def test_an_arrival_that_could_never_be_imported_is_refused_at_once(live):
         decode.transport.close()
     assert out["g3"]["end"] == "import_failed" and "needs 5 KV blocks but this engine's pool has 4" in out["g3"]["reason"]
     assert out["g0"]["tokens"] == reference()[0]
+
+
+def test_recent_ids_forget_the_oldest_beyond_their_bound():
+    from cluster.kv_in import RecentIds
+    seen = RecentIds(3)
+    for rid in ("a", "b", "c", "a", "d"):              # "a" again: it becomes the newest
+        seen.add(rid)
+    assert len(seen) == 3 and "a" in seen and "d" in seen and "c" in seen and "b" not in seen

@@ -7,8 +7,10 @@ Each case writes (once, cached) a Llama checkpoint of its shape with seeded rand
 token-id prompts, greedy, a fixed number of output tokens each (EOS ignored). Each engine times only
 its own generate call, after a warm-up call; the two run alternately, `--repeats` times, so drift
 on a shared machine hits both alike. Printed per case: the median time of each, their ratio, the
-spread of the per-pair ratios, whether every output token matched, and pdlab's step-time breakdown
-(prepare / forward / sample). On a GPU it also prints the decode step against the HBM floor and the
+spread of the per-pair ratios, whether every output token matched, pdlab's step-time breakdown
+(prepare / forward / sample), and the matmul floor: the time the case's matrix multiplications
+alone take here, measured per step shape after the timed runs (HF's time over it is the most any
+engine doing those matmuls could gain). On a GPU it also prints the decode step against the HBM floor and the
 prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
 
 Cases (the shapes of issue 10's table): `decode-heavy` (tiny, 64 prompts x 128 tokens, 128 out),
@@ -117,8 +119,15 @@ class PdlabRunner:
         self.engine: Engine | None = None
 
     def generate(self, ids: torch.Tensor, n: int) -> list[list[int]]:
-        self.engine = engine = Engine(self.model, self.ecfg)
-        reqs = [engine.add_request(i, row, SamplingParams(max_tokens=n, ignore_eos=True)) for i, row in enumerate(ids.tolist())]
+        """One batch through the engine, built on the first call (its KV pool allocated once, as a
+        server does at start; HF's generate builds its cache as it goes, inside its timed call)."""
+        if self.engine is None:
+            self.engine = Engine(self.model, self.ecfg)
+        engine = self.engine
+        engine.take_trace()                  # the breakdown is of this call's steps
+        base = engine.num_steps
+        reqs = [engine.add_request(f"{base}-{i}", row, SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, row in enumerate(ids.tolist())]
         engine.run()
         return [r.output_ids for r in reqs]
 
@@ -149,6 +158,40 @@ def breakdown(engine: Engine) -> dict:
                          "step_ms": 1e3 * statistics.median(s.duration for s in steps)}
     out["total_s"] = {part: sum(getattr(s, f"{part}_s") for s in engine.trace) for part in ("prepare", "forward", "sample")}
     return out
+
+
+def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> float:
+    """Seconds the steps' matrix multiplications alone take on this device: every weight of the
+    model times a step's rows (and the LM head times its sampled rows), measured here (median of
+    `repeats`) for each distinct step shape. No engine doing the same matmuls can be faster, so
+    HF's time over this bounds the speed-up any engine could show in this case."""
+    weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
+               and "lm_head" not in name]
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    cache: dict[tuple[int, int], float] = {}
+
+    def one(rows: int, sampled: int) -> float:
+        xs = {n: torch.randn(rows, n, dtype=head.dtype, device=device) for n in {w.shape[1] for w in weights}}
+        h = torch.randn(sampled, head.shape[1], dtype=head.dtype, device=device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                _sync(device)
+                start = CLOCK()                      # the clock the engines were timed by
+                for w in weights:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+                torch.nn.functional.linear(h, head)
+                _sync(device)
+                times.append(CLOCK() - start)
+        return statistics.median(times[1:])          # the first is a warm-up
+
+    total = 0.0
+    for st in steps:
+        key = (st.num_tokens, st.num_decode_seqs + st.num_prefill_seqs)
+        if key not in cache:
+            cache[key] = one(*key)
+        total += cache[key]
+    return total
 
 
 def gpu_floors(cfg: ModelConfig, dtype_bytes: int, engine: Engine, case: Case) -> dict:
@@ -189,12 +232,14 @@ def run_case(case: Case, cfg: ModelConfig, args, device: torch.device, dtype: to
             seconds, outputs[name] = timed(lambda: runner.generate(ids, case.output_len))
             times[name].append(seconds)
     pairs = [h / p for h, p in zip(times["hf"], times["pdlab"])]
+    floor_s = matmul_floor(pd.model, pd.engine.trace, device)
     same = sum(a == b for a, b in zip(outputs["hf"], outputs["pdlab"]))
     result = {"case": case.name, "shape": cfg.name, "num_prompts": case.num_prompts, "prompt_len": case.prompt_len,
               "output_len": case.output_len, "hf_s": statistics.median(times["hf"]),
               "pdlab_s": statistics.median(times["pdlab"]), "speedup": statistics.median(times["hf"]) /
               statistics.median(times["pdlab"]), "speedup_min": min(pairs), "speedup_max": max(pairs),
               "identical": same == len(outputs["hf"]), "num_identical": same, "breakdown": breakdown(pd.engine),
+              "matmul_floor_s": floor_s, "max_speedup": statistics.median(times["hf"]) / floor_s,
               "attention": pd.engine.runner.backend.name, "compile": args.compile}
     if device.type == "cuda":
         result["gpu"] = gpu_floors(cfg, torch.tensor([], dtype=dtype).element_size(), pd.engine, case)
@@ -206,7 +251,9 @@ def report(r: dict) -> str:
     lines = [f"{r['case']} ({r['shape']}, {r['num_prompts']} x {r['prompt_len']} prompt, {r['output_len']} out): "
              f"HF generate {r['hf_s']:.2f} s, pdlab {r['pdlab_s']:.2f} s -> {r['speedup']:.2f}x "
              f"(per pair {r['speedup_min']:.2f}-{r['speedup_max']:.2f}x); outputs identical: "
-             f"{r['num_identical']}/{r['num_prompts']}"]
+             f"{r['num_identical']}/{r['num_prompts']}",
+             f"  matmuls alone {r['matmul_floor_s']:.2f} s (pdlab at {r['matmul_floor_s'] / r['pdlab_s']:.0%} of "
+             f"that floor): no engine with these matmuls gets past {r['max_speedup']:.2f}x over HF here"]
     for kind in ("prefill", "decode"):
         if kind in b:
             k = b[kind]

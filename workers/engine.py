@@ -49,7 +49,8 @@ class Engine:
                                   max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
                                   cuda_graphs=cfg.cuda_graphs)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
-        self.trace: list[StepRecord] = []
+        self.trace: list[StepRecord] = []          # this engine's steps, oldest first (take_trace drains it)
+        self.num_steps = self.num_preempted = 0     # since the start, drained or not
         # Prefill role with cfg.kv_stream on: told (KVReady) when a part of a request's KV is final in
         # the pool, during the step for "layer", after it for "chunk"; told (KVReset) when a request
         # whose KV was streaming is preempted and will be recomputed. Set by whoever sends the KV.
@@ -159,14 +160,25 @@ class Engine:
                     events.append(self._append(req, token, end))
             except Exception as e:
                 events.append(self.fail(req.id, f"{type(e).__name__}: {e}"))
+        self.num_preempted += len(sched.preempted)
         self.trace.append(StepRecord(
-            step=len(self.trace), start=start, end=end, num_prefill_tokens=sched.num_prefill_tokens,
+            step=self.num_steps, start=start, end=end, num_prefill_tokens=sched.num_prefill_tokens,
             num_prefill_seqs=len(sched.prefills), num_decode_seqs=len(sched.decodes),
             num_tokens=sched.num_tokens, num_blocks_used=self.blocks.num_used,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preempted=len(sched.preempted), prepare_s=self.runner.times.prepare_s,
             forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s))
+        self.num_steps += 1
         return events
+
+    def take_trace(self) -> list[StepRecord]:
+        """The steps recorded so far, removed from `trace`, so a long-running server's memory does
+        not grow with its steps. Safe beside a step running in another thread: a slice and its
+        deletion are each one operation under the GIL, and a step appends after them or before."""
+        n = len(self.trace)
+        taken = self.trace[:n]
+        del self.trace[:n]
+        return taken
 
     def _kv_streams(self, sched) -> list[tuple[str, int, int]]:
         """Prefill chunks whose KV streams out as it is computed: (request id, first token, tokens)."""

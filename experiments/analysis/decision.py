@@ -30,7 +30,12 @@ disaggregated (P prefill + D decode GPUs, P + D = N, every split tried, best rep
   the least of prefill: lam <= P u* / t_pre with t_pre + W(u*, t_pre) = TTFT SLO (M/D/1 per GPU);
   link: lam <= min(P, D) link_bw / (Lp kv_bytes_per_token) (each GPU its own link);
   decode: lam <= D B_d / (Lo t_dec(B_d)), B_d the largest B <= B_mem with TPOT = t_dec(B) +
-  x / (Lo - 1) inside the SLO (the transfer delays the second token by x).
+  e / (Lo - 1) inside the SLO (the exposed transfer e delays the second token). stream="off": the
+  KV follows the prefill, e = x. stream="layer": layer i's KV (x / L of it) leaves as soon as layer i
+  of L is computed, at i t_pre / L, and the link sends layers one after another, so the last byte
+  lands at max_i(i t_pre / L + (L - i + 1) x / L): e = max(x / L, x - t_pre (L - 1) / L), the last
+  layer's share when the link keeps up with the compute. Overlap hides latency only: the link's
+  capacity cap above is the same in both modes.
 """
 from __future__ import annotations
 
@@ -58,7 +63,15 @@ class ModeEstimate:
 
 # One estimate's inputs; context = C, batch_mem = B_mem.
 _Case = namedtuple("_Case", "cfg hw num_gpus prompt_len output_len context link_bw slo_ttft_s "
-                            "slo_tpot_s dtype_bytes batch_mem")
+                            "slo_tpot_s dtype_bytes batch_mem stream")
+STREAMS = ("off", "layer")
+
+
+def exposed_transfer(xfer_s: float, prefill_s: float, num_layers: int, stream: str) -> float:
+    """The part of a KV transfer of xfer_s seconds left after a prefill of prefill_s (module docstring)."""
+    if stream == "off":
+        return xfer_s
+    return max(xfer_s / num_layers, xfer_s - prefill_s * (num_layers - 1) / num_layers)
 
 
 def _step_time(case: _Case, cost_at, extra_flops: float = 0.0, extra_bytes: float = 0.0):
@@ -155,9 +168,10 @@ def _disaggregated(case: _Case) -> ModeEstimate:
     cfg, lp, lo, dt, n = case.cfg, case.prompt_len, case.output_len, case.dtype_bytes, case.num_gpus
     t_pre, xfer = prefill_cost(cfg, lp, dt).time(case.hw), kv_transfer_time(cfg, lp, case.link_bw, dt)
     t_dec = _step_time(case, lambda b: decode_cost(cfg, b, case.context, dt))
-    per_token, mem = xfer / (lo - 1), case.batch_mem
+    exposed = exposed_transfer(xfer, t_pre, cfg.num_layers, case.stream)
+    per_token, mem = exposed / (lo - 1), case.batch_mem
     if n < 2 or t_pre >= case.slo_ttft_s or t_dec(1) + per_token > case.slo_tpot_s or mem < 1:
-        return _infeasible(case, MODES[2], t_pre, t_dec(1) + per_token, t_xfer_s=xfer)
+        return _infeasible(case, MODES[2], t_pre, t_dec(1) + per_token, t_xfer_s=xfer, t_exposed_s=exposed)
     b_d = bisect.bisect_right(range(1, mem + 1), case.slo_tpot_s, key=lambda b: t_dec(b) + per_token)
     per_gpu = {"prefill": _ttft_cap(case.slo_ttft_s, t_pre, t_pre),
                "link": case.link_bw / (lp * cfg.kv_bytes_per_token(dt)),
@@ -173,15 +187,18 @@ def _disaggregated(case: _Case) -> ModeEstimate:
                                   key=lambda b: d * b / (lo * t_dec(b)))
     detail = {"split": f"{p}:{d}", "batch": b_op, "batch_limit": b_d, "batch_mem": mem,
               "prefill_util": u, "link_util": rate / caps["link"], "decode_util": rate / caps["decode"],
-              "t_xfer_s": xfer, "binding": binding, "capacities": caps,
+              "t_xfer_s": xfer, "t_exposed_s": exposed, "stream": case.stream, "binding": binding, "capacities": caps,
               "splits_tried": {f"{k}:{n - k}": min(v.values()) / n for k, v in splits.items()}}
     return ModeEstimate(MODES[2], rate / n, t_pre + _wait(u, t_pre), t_dec(b_op) + per_token, detail)
 
 
 def estimate(cfg: ModelConfig, hw: Hardware, num_gpus: int, prompt_len: int, output_len: int,
              link_bw: float, slo_ttft_s: float, slo_tpot_s: float, dtype_bytes: int = 2,
-             hbm_bytes: float = 141e9) -> list[ModeEstimate]:
-    """One ModeEstimate per mode, in MODES order (the model is in the module docstring)."""
+             hbm_bytes: float = 141e9, stream: str = "off") -> list[ModeEstimate]:
+    """One ModeEstimate per mode, in MODES order (the model is in the module docstring). stream: how
+    the KV moves, "off" (after the prefill) or "layer" (each layer as it is computed)."""
+    if stream not in STREAMS:
+        raise ValueError(f"stream={stream!r}: expected one of {', '.join(STREAMS)}")
     bad = [f"{k}={v}" for k, v, low in (
         ("num_gpus", num_gpus, 1), ("prompt_len", prompt_len, 1), ("output_len", output_len, 2),
         ("link_bw", link_bw, 0), ("slo_ttft_s", slo_ttft_s, 0), ("slo_tpot_s", slo_tpot_s, 0))
@@ -191,7 +208,7 @@ def estimate(cfg: ModelConfig, hw: Hardware, num_gpus: int, prompt_len: int, out
     free = hbm_bytes - cfg.num_params() * dtype_bytes
     batch_mem = max(0, int(free // ((prompt_len + output_len) * cfg.kv_bytes_per_token(dtype_bytes))))
     case = _Case(cfg, hw, num_gpus, prompt_len, output_len, prompt_len + output_len // 2, link_bw,
-                 slo_ttft_s, slo_tpot_s, dtype_bytes, batch_mem)
+                 slo_ttft_s, slo_tpot_s, dtype_bytes, batch_mem, stream)
     tried = {c: _chunked(case, c) for c in CHUNK_SIZES}
     chunked = max(tried.values(), key=lambda e: e.goodput_per_gpu)
     if chunked.goodput_per_gpu == 0.0:  # report the chunk that comes closest to the SLOs
@@ -244,5 +261,25 @@ def crossover_link_bw(cfg: ModelConfig, hw: Hardware, num_gpus: int, prompt_len:
             "crossover_link_bw": below[-1] if below else None}
 
 
-__all__ = ["MODES", "CHUNK_SIZES", "TIE_FRACTION", "ModeEstimate", "estimate", "best",
-           "crossover_prompt_len", "crossover_link_bw"]
+def least_link_bw(cfg: ModelConfig, hw: Hardware, num_gpus: int, prompt_len: int, output_len: int,
+                  slo_ttft_s: float, slo_tpot_s: float, low: float = 1e6, high: float = 1e13,
+                  **kwargs) -> float | None:
+    """The least link bandwidth (bytes/s, to 1%) at which disaggregation wins, or None when it wins at
+    no bandwidth up to `high`; `low` when it wins even there. Disaggregation's goodput only grows with
+    the bandwidth and colocated serving does not use the link, so one bisection (log scale) finds it.
+    kwargs go to `estimate` (e.g. stream="layer")."""
+    def wins(bw):
+        return best(estimate(cfg, hw, num_gpus, prompt_len, output_len, bw, slo_ttft_s, slo_tpot_s,
+                             **kwargs)).mode == MODES[2]
+    if not wins(high):
+        return None
+    if wins(low):
+        return low
+    while high / low > 1.01:
+        mid = math.sqrt(low * high)
+        low, high = (low, mid) if wins(mid) else (mid, high)
+    return high
+
+
+__all__ = ["MODES", "CHUNK_SIZES", "TIE_FRACTION", "STREAMS", "ModeEstimate", "estimate", "best", "exposed_transfer",
+           "crossover_prompt_len", "crossover_link_bw", "least_link_bw"]

@@ -149,14 +149,14 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
     simulated = decision_sim.simulated_map(
         base, e.gpus, list(e.prompt_lens), list(e.output_lens), {k: dict(v) for k, v in e.slos.items() if v}, e.link_bw,
         list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
-        e.steps)
+        e.steps, e.stream)
     cells = [c for s in simulated.values() for c in s["grid"]]
     lesson_plots.decision_plot(simulated, measured, out / "decision.png",
                                title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
     return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
             "simulated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
-                          "source": cells[0]["source"] if cells else None, "elapsed_s": time.time() - started,
-                          "num_sims": sum(c["num_sims"] for c in cells),
+                          "stream": e.stream, "source": cells[0]["source"] if cells else None,
+                          "elapsed_s": time.time() - started, "num_sims": sum(c["num_sims"] for c in cells),
                           "crossover_output_len": e.crossover_output_len,
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
 

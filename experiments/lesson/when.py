@@ -29,13 +29,41 @@ def when(r: dict, n: int) -> str:
         "block manager and router; a mode's goodput per GPU is the highest rate at which the share of requests within "
         f"both SLOs meets the attainment target, so tails, queueing, batching and preemption count; {est['num_sims']} "
         f"simulations in {num(est['elapsed_s'])} s). The step times are the roofline's at the efficiencies `experiments/sim/"
-        "stepmodel.py` states, not a measurement on that GPU.",
+        "stepmodel.py` states, not a measurement on that GPU. " + STREAM_TEXT.get(est.get("stream", "off"), ""),
         "",
     ]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
     lines.append(_answer(de))
     return "\n".join(lines)
+
+
+STREAM_TEXT = {
+    "off": "The KV moves after the prefill, so all of the transfer delays the second token.",
+    "layer": ("The KV streams layer by layer as the prefill computes it, so only the exposed transfer delays the "
+              "second token: the last layer's share while the link keeps up with the compute, more when it does "
+              "not (the link's capacity is the same in both modes)."),
+}
+
+
+def _link_saving(prompt_len: int, least: dict | None) -> str:
+    """What overlap saves in link bandwidth: the least link bandwidth tried at which disaggregation wins,
+    per stream mode (experiments/analysis/decision_sim.py)."""
+    if not least:
+        return ""
+    off, layer = least.get("off"), least.get("layer")
+    at = f"at {prompt_len}-token prompts"
+    if off is None and layer is None:
+        return f"; {at} disaggregation wins at no link bandwidth whether the KV streams or not"
+    if off is None:
+        return (f"; {at} disaggregation wins only when the KV streams layer by layer, from "
+                f"{num(layer / 1e9)} GB/s, and at no bandwidth when it follows the prefill")
+    if layer is None:
+        return f"; {at} disaggregation wins from {num(off / 1e9)} GB/s with the KV after the prefill only"
+    if abs(off / layer - 1) < 0.02:
+        return f"; {at} it needs {num(off / 1e9)} GB/s either way: streaming saves no link bandwidth here"
+    return (f"; {at} it needs {num(off / 1e9)} GB/s with the KV sent after the prefill and {num(layer / 1e9)} GB/s "
+            f"streamed layer by layer: overlap lets a link {num(off / layer)}x slower do")
 
 
 def _wins(cells: list[dict]) -> dict:
@@ -68,7 +96,7 @@ def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
                 f"{num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s")
     slo = s["slo"]
     return (f"- **{slo_name} SLO** (TTFT {num(slo['ttft_ms'])} ms, TPOT {num(slo['tpot_ms'])} ms): {share}; "
-            f"{prompt}; {link}.")
+            f"{prompt}; {link}{_link_saving(est['crossover_prompt_len'], s.get('least_link_bw'))}.")
 
 
 def _answer(de: dict) -> str:

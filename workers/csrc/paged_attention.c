@@ -46,6 +46,24 @@ static inline float hsum(vf x) {
     x += __builtin_shuffle(x, SWAP1);
     return x[0];
 }
+/* Sixteen vectors to one whose lane j is the sum of c[j]'s lanes: four levels of pairwise
+ * shuffle-adds (15 of them, 3 operations a vector) instead of one horizontal sum per vector. */
+#define PAIR(a, b, lo, hi) (__builtin_shuffle((a), (b), lo) + __builtin_shuffle((a), (b), hi))
+static inline vf sum16(const vf *c) {
+    const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf a[8], b[4], d[2];
+    for (int i = 0; i < 8; i++) a[i] = PAIR(c[2 * i], c[2 * i + 1], lo1, hi1);   /* 8 partials each of 2 */
+    for (int i = 0; i < 4; i++) b[i] = PAIR(a[2 * i], a[2 * i + 1], lo2, hi2);   /* 4 partials each of 4 */
+    for (int i = 0; i < 2; i++) d[i] = PAIR(b[2 * i], b[2 * i + 1], lo3, hi3);   /* 2 partials each of 8 */
+    return PAIR(d[0], d[1], lo4, hi4);                                            /* one each of 16 */
+}
 static inline float hmax(vf x) {
     x = vmax(x, __builtin_shuffle(x, SWAP8));
     x = vmax(x, __builtin_shuffle(x, SWAP4));
@@ -111,14 +129,16 @@ static void NAME(const Args *a, int D_, const int32_t *table, int first_q, int n
         const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
         if (DIM && R < 8) {                                 /* few rows (decode): dot products */   \
             enum { V = (DIM ? DIM : L) / L };                                                         \
-            for (int j = 0; j < nk; j++) {                                                            \
-                vf kj[V];                                                                             \
-                for (int c = 0; c < V; c++) kj[c] = load(kb + j * tok + c * L);                       \
-                for (int r = 0; r < R; r++) {                                                         \
-                    vf c0 = load(qs + r * D) * kj[0];                                                 \
-                    for (int c = 1; c < V; c++) c0 += load(qs + r * D + c * L) * kj[c];               \
-                    s[r * L + j] = hsum(c0);                                                          \
+            for (int r = 0; r < R; r++) {                                                             \
+                vf qv[V], c[L];                                                                       \
+                for (int cc = 0; cc < V; cc++) qv[cc] = load(qs + r * D + cc * L);                    \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    vf c0 = qv[0] * load(kb + j * tok);                                               \
+                    for (int cc = 1; cc < V; cc++) c0 += qv[cc] * load(kb + j * tok + cc * L);        \
+                    c[j] = c0;                                                                        \
                 }                                                                                     \
+                for (int j = nk; j < L; j++) c[j] = splat(0.0f);                                      \
+                store(s + r * L, sum16(c));                 /* lane j: key j's score */              \
             }                                                                                         \
         } else {                                            /* many rows: K^T, keys as lanes */     \
             for (int d = 0; d < D; d++) {                                                             \
@@ -172,11 +192,15 @@ static void NAME(const Args *a, int D_, const int32_t *table, int first_q, int n
                 }                                                                                     \
                 for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) store(acc + (r + i) * D + c * L, o[i][c]); \
             }                                                                                         \
-            for (; r < R; r++)                                                                        \
+            for (; r < R; r++) {                            /* the rest, one row in registers */     \
+                vf o[V];                                                                              \
+                for (int c = 0; c < V; c++) o[c] = load(acc + r * D + c * L);                         \
                 for (int j = 0; j < nk; j++) {                                                        \
                     const float p = s[r * L + j], *vj = vb + j * tok;                                 \
-                    for (int c = 0; c < V; c++) store(acc + r * D + c * L, load(acc + r * D + c * L) + p * load(vj + c * L)); \
+                    for (int c = 0; c < V; c++) o[c] += p * load(vj + c * L);                         \
                 }                                                                                     \
+                for (int c = 0; c < V; c++) store(acc + r * D + c * L, o[c]);                         \
+            }                                                                                         \
         } else {                                                                                      \
             for (int r = 0; r < R; r++)                                                               \
                 for (int j = 0; j < nk; j++) {                                                        \
