@@ -17,11 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from cluster.config import ClusterConfig
 from cluster.transfer.base import TransferConfig
-from experiments.workload import WorkloadConfig
+from experiments.analysis.roofline_cli import HardwareSpec
+from experiments.serving.workload import WorkloadConfig
 from router.config import FaultConfig, RouterConfig
 from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
 from workers.weights import ModelSpec
 
+BACKENDS = ("real", "sim")
 CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
 LAYOUT_DISAGG = re.compile(r"^(\d+)p(\d+)d$")
 COLOCATED_LAYOUTS = ("colocated-prefill_first", "colocated-chunked")
@@ -109,6 +111,8 @@ class RunSpec:
     seed: int
     max_model_len: int
     vocab_size: int
+    backend: str = "real"                  # real: serve on the cluster | sim: simulate (experiments/sim/)
+    hardware: HardwareSpec = HardwareSpec("measured")   # what a simulation's costs come from
 
     def engines(self) -> dict[str, EngineConfig]:
         e = dataclasses.asdict(self.engine)
@@ -188,7 +192,7 @@ def _model(raw: dict, seed: int) -> tuple[ModelSpec, int, int]:
 def parse(cfg: DictConfig) -> RunSpec:
     """The composed Hydra config -> a validated RunSpec (raises ConfigError)."""
     known = {"model", "cluster", "scheduler", "engine", "transfer", "router", "workload", "slo", "fault",
-             "seed", "layout", "compare", "report", "repeats"}
+             "seed", "layout", "compare", "report", "repeats", "backend", "hardware"}
     unknown = sorted(set(cfg.keys()) - known - {"hydra"})
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]}; top-level options are {sorted(known)}")
@@ -196,6 +200,10 @@ def parse(cfg: DictConfig) -> RunSpec:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"seed={seed!r}: expected an integer")
     repeats(cfg)
+    backend = cfg.get("backend", "real")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r}: choose one of {list(BACKENDS)}")
+    hardware = section(HardwareSpec, _plain(cfg, "hardware") or {"name": "measured"}, "hardware")
     model, vocab, max_pos = _model(_plain(cfg, "model"), seed)
     cluster_raw = _plain(cfg, "cluster")
     gpus = cluster_raw.pop("gpus", 2)
@@ -226,7 +234,7 @@ def parse(cfg: DictConfig) -> RunSpec:
         fault=section(FaultConfig, _plain(cfg, "fault"), "fault"),
         workload=section(WorkloadConfig, workload_raw, "workload"),
         slo=section(SLOConfig, _plain(cfg, "slo"), "slo"),
-        seed=seed, max_model_len=max_model_len, vocab_size=vocab)
+        seed=seed, max_model_len=max_model_len, vocab_size=vocab, backend=backend, hardware=hardware)
 
 
 def repeats(cfg: DictConfig) -> int:
@@ -274,6 +282,17 @@ def yield_to_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"scheduler.policy={given['scheduler.policy']} conflicts with layout {colocated[0]}, "
                               "which sets the policy; give compare=null with cluster.mode=colocated to serve it")
     return cfg
+
+
+def every_layout(gpus) -> str:
+    """Both colocated layouts and every P:D split of `gpus`, comma-separated: the pool_ratio sweep's
+    list for any cluster.gpus (conf/sweep/pool_ratio.yaml resolves it through `pdlab.layouts`)."""
+    n = int(gpus)
+    return ",".join(list(COLOCATED_LAYOUTS) + [f"{p}p{n - p}d" for p in range(1, n)])
+
+
+if not OmegaConf.has_resolver("pdlab.layouts"):
+    OmegaConf.register_new_resolver("pdlab.layouts", every_layout)
 
 
 def apply_layout(cfg: DictConfig, layout: str) -> DictConfig:

@@ -20,19 +20,24 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.compare import headline_sentences
+from experiments.serving.compare import headline_sentences
 from experiments.config import ConfigError, repeats, yield_to_overrides
-from experiments.machine import load_warning
-from experiments.metrics import format_summary
-from experiments.serve import prepare, serve_all
+from experiments.serving.machine import load_warning
+from experiments.serving.metrics import format_summary
+from experiments.serving.serve import prepare, serve_all
 
 log = logging.getLogger("pdlab")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
-    """Validate every point (and build its workload) before any worker starts, then serve them all."""
-    return serve_all(prepare(cfg, run_dir, overrides), repeats(cfg))
+    """Validate every point (and build its workload) before any worker starts, then serve them all;
+    with backend=sim, simulate them (experiments/sim/backend.py; once each: a simulation is deterministic)."""
+    prepared = prepare(cfg, run_dir, overrides)
+    if cfg.get("backend", "real") == "sim":
+        from experiments.sim.backend import simulate_repeat
+        return serve_all(prepared, 1, simulate_repeat)
+    return serve_all(prepared, repeats(cfg))
 
 
 def warnings(results: list[dict]) -> list[str]:
@@ -83,7 +88,7 @@ def main(cfg: DictConfig) -> None:
         return
     console(results)
     if cfg.get("report") and not multirun:
-        from experiments.report import build_report
+        from experiments.report.report import build_report
         build_report(run_dir)
         print(f"report: {run_dir / 'report.md'}")
     failed = [r for r in results if "error" in r]

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
 from experiments.run import CONF_DIR
-from experiments.serve import ensure_ray, request_row
+from experiments.serving.serve import ensure_ray, request_row
 from router.frontend import Frontend
 from router.openai_api import build_app
 from router.prom import OUTCOMES, ServeMetrics
@@ -236,7 +236,7 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
 
 
 def write_metrics(spec: RunSpec, run_dir: Path) -> dict | None:
-    from experiments.metrics import format_summary, summarize
+    from experiments.serving.metrics import format_summary, summarize
 
     path = run_dir / "requests.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

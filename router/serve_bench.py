@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from experiments.metrics import percentiles
+from experiments.serving.metrics import percentiles
 from router import toy_tokenizer
 from workers.config import preset
 

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import aggregate
-from experiments.confidence import HEADLINE, replicates, request_replicates, step_replicates, within_run_ci
-from experiments.metrics import summarize
-from experiments.steps import step_ratio
+from experiments.serving import aggregate
+from experiments.serving.confidence import HEADLINE, replicates, request_replicates, step_replicates, within_run_ci
+from experiments.serving.metrics import summarize
+from experiments.serving.steps import step_ratio
 
 
 def row(i, ttft_s, gaps, arrival_s=0.0, status="ok"):

@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.capacity import GiB, check_memory, need
+from experiments.serving.capacity import GiB, check_memory, need
 from experiments.config import ConfigError, points, yield_to_overrides
 from experiments.run import precheck
 from tests.conftest import ROOT
@@ -90,7 +90,7 @@ def test_gpu_memory_is_checked_per_worker():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU node the preset may fit")
 def test_gpu_preset_on_this_machine_fails_at_once(tmp_path):
     (_, _, spec), = served("+experiment=gpu_llama3_8b", "compare=null")
-    from experiments.capacity import available_memory
+    from experiments.serving.capacity import available_memory
     if spec.cluster.num_workers * need(spec)["total"] <= (available_memory() or 0):
         pytest.skip("this machine has the memory for the preset")
     proc = subprocess.run([sys.executable, "-m", "experiments.run", "+experiment=gpu_llama3_8b",

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import ConfigError, points
-from experiments.report import build_report
+from experiments.report.report import build_report
 from experiments.run import precheck
 from tests.conftest import ROOT
 
@@ -186,7 +186,7 @@ def test_sweep_records_crashed_points_and_resumes(tmp_path):
 
 
 def test_requests_failed_for_their_own_reasons_are_flagged_in_the_summary():
-    from experiments.serve import failure_warning, unexpected_failures
+    from experiments.serving.serve import failure_warning, unexpected_failures
     from router.records import RequestRecord
 
     def rec(rid, status, reason=None, injected=False):

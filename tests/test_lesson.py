@@ -10,8 +10,8 @@ import torch
 
 import numpy as np
 
-from experiments.interference import inflation, measure, rounds
-from experiments.roofline import Hardware
+from experiments.analysis.interference import inflation, measure, rounds
+from experiments.analysis.roofline import Hardware
 from tests.conftest import ROOT
 from workers.weights import build_model
 
@@ -69,7 +69,7 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-@pytest.mark.parametrize("module", ["lesson_text.py", "lesson_when.py"])
+@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py"])
 def test_no_figure_in_the_lesson_text_is_a_literal(module):
     tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
@@ -92,7 +92,8 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     for fig in ("roofline.png", "interference.png", "chunking.png", "decision.png"):
         assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text
     # the numbers in the text are the run's, comparisons worded from their intervals
-    from experiments import compare, lesson, lesson_text
+    from experiments.lesson import lesson, text as lesson_text
+    from experiments.serving import compare
     base = results["interference"]["points"][0]
     assert f"decode-only step took {lesson_text.num(base['step_ms'])} ms" in text
     pf = results["chunking"]["refs"]["prefill_first"]
@@ -103,10 +104,12 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
     assert "no cell in this run" in text                   # quick mode measures no decision cell
-    # the map counts the exposed transfer, and says what streaming saves in link bandwidth, from its numbers
-    est = results["decision"]["estimated"]
-    assert est["stream"] == "layer" and "only the exposed transfer delays the second token" in text
-    for s in est["by_slo"].values():
+    sim = results["decision"]["simulated"]                 # the map is simulated, every cell saying with what
+    assert sim["source"] == "simulated with roofline h200" and f"every cell {sim['source']}" in text
+    assert all(c["source"] == sim["source"] and c["winner"] for s in sim["by_slo"].values() for c in s["grid"])
+    # the cells count the exposed transfer, and the text says what streaming saves in link bandwidth
+    assert sim["stream"] == "layer" and "only the exposed transfer delays the second token" in text
+    for s in sim["by_slo"].values():
         off, layer = s["least_link_bw"]["off"], s["least_link_bw"]["layer"]
         if off is not None and layer is not None and off > 1.02 * layer:
             assert f"overlap lets a link {lesson_text.num(off / layer)}x slower do" in text

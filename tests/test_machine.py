@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from experiments import machine
-from experiments.machine import SHARED, Snapshot, combine, load_warning, shared_cores, snapshot, usage
+from experiments.serving import machine
+from experiments.serving.machine import SHARED, Snapshot, combine, load_warning, shared_cores, snapshot, usage
 
 
 def test_usage_splits_the_machine_into_ours_others_and_stolen():

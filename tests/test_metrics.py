@@ -1,7 +1,7 @@
 """Serving metrics against hand-computed examples: throughputs, goodput, SLO attainment, percentiles."""
 import pytest
 
-from experiments.metrics import format_summary, percentiles, summarize
+from experiments.serving.metrics import format_summary, percentiles, summarize
 
 
 def row(id, arrival_s, prompt_len, output_len, ttft_s=None, e2e_s=None, itl_s=(), end_s=None, status="ok"):

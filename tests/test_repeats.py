@@ -6,8 +6,8 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments import serve
-from experiments.metrics import summarize
+from experiments.serving import serve
+from experiments.serving.metrics import summarize
 from tests.conftest import ROOT
 
 

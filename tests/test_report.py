@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import report
-from experiments.report import fmt
+from experiments.report import report
+from experiments.report.report import fmt
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0, "attainment_target": 0.9}
@@ -187,7 +187,7 @@ def test_comparison_report(tmp_path, capsys):
 
 
 def test_breakdown_puts_only_the_exposed_transfer_on_the_critical_path():
-    from experiments.plots import first_decode_breakdown
+    from experiments.report.plots import first_decode_breakdown
     bulk = {"status": "ok", "itl_s": [0.030, 0.010], "queue_s": 0.0, "prefill_s": 0.1,
             "transfer_bytes": 1 << 20, "transfer_s": 0.020}                    # no exposed field: all of it
     streamed = bulk | {"exposed_transfer_s": 0.002}                              # 18 ms hid behind the prefill
@@ -277,7 +277,7 @@ def test_only_failed_points(tmp_path, capsys):
 
 
 def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path, capsys):
-    from experiments import aggregate
+    from experiments.serving import aggregate
     from tests.test_confidence import write_repeat
     run = tmp_path / "run"
     for name, mode, ttft in (("fast", "colocated", 40.0), ("slow", "disaggregated", 400.0)):

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from experiments.compare import Estimate, change, ratio, sentence, verdict
-from experiments.stats import interval, median_ci, resample_counts, rng_for, separated, two_level
+from experiments.serving.compare import Estimate, change, ratio, sentence, verdict
+from experiments.serving.stats import interval, median_ci, resample_counts, rng_for, separated, two_level
 
 
 def test_resample_counts_are_draws_with_replacement():
@@ -107,7 +107,7 @@ def test_ratio_flags_a_mixed_step_faster_than_decode_only():
 
 
 def test_headline_sentences_come_from_metrics_and_say_when_a_point_ran_once():
-    from experiments.compare import headline_sentences
+    from experiments.serving.compare import headline_sentences
     a = {"itl_ms": {"p99": 10.0}, "ci": {"itl_ms.p99": [9.0, 11.0]}, "repeats": {"num_ok": 3}}
     b = {"itl_ms": {"p99": 20.0}, "ci": {"itl_ms.p99": [18.0, 22.0]}}
     lines = headline_sentences([("A", a), ("B", b)])

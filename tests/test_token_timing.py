@@ -52,8 +52,8 @@ def test_tokens_carry_their_step_end_on_the_routers_clock_and_their_arrival():
     clocks = router.clock_report()
     assert clocks["prefill:0"]["offset_ms"] == 10_000.0 and clocks["decode:0"]["offset_ms"] == -5_000.0
 
-    from experiments.metrics import summarize
-    from experiments.serve import request_row
+    from experiments.serving.metrics import summarize
+    from experiments.serving.serve import request_row
     row = request_row(rec, t0)
     assert row["itl_s"] == rec.itl_s and row["client_itl_s"] == rec.client_itl_s
     assert row["ttft_s"] == rec.ttft_s and row["client_ttft_s"] == rec.client_ttft_s

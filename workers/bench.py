@@ -11,7 +11,7 @@ spread of the per-pair ratios, whether every output token matched, pdlab's step-
 (prepare / forward / sample), and the matmul floor: the time the case's matrix multiplications
 alone take here, measured per step shape after the timed runs (HF's time over it is the most any
 engine doing those matmuls could gain). On a GPU it also prints the decode step against the HBM floor and the
-prefill step against the measured matmul peak (experiments/roofline.py). Ends with one JSON line.
+prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
 
 Cases (the shapes of issue 10's table): `decode-heavy` (tiny, 64 prompts x 128 tokens, 128 out),
 `prefill-heavy` (29m, 64 x 512, 32 out), `mixed` (29m, 16 x 256, 64 out). `--shape` replaces the
@@ -196,7 +196,7 @@ def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> float:
 
 def gpu_floors(cfg: ModelConfig, dtype_bytes: int, engine: Engine, case: Case) -> dict:
     """Decode step against the HBM floor, prefill against the measured matmul peak (roofline module)."""
-    from experiments.roofline import decode_cost, measured_hardware, prefill_cost
+    from experiments.analysis.roofline import decode_cost, measured_hardware, prefill_cost
 
     hw = measured_hardware(str(engine.device))
     out = {"peak_tflops": hw.peak_flops / 1e12, "hbm_gb_s": hw.mem_bw / 1e9}

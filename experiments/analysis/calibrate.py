@@ -1,0 +1,182 @@
+"""What serving adds to a profile measured in isolation, read from the files of a real run (FORMATS.md).
+
+A profile times the engine's steps alone in one process. Serving adds the router's messages (Ray calls
+both ways), the worker loop between steps, and contention: the router, the other workers and whatever
+else runs share the cores. `calibrate` reads a run's points (requests.jsonl, steps.jsonl) and returns:
+
+- return_s: the median, over completed requests, of client_ttft - ttft: from the end of the step that
+  made the first token (ttft times it: router/records.py) to the router receiving it;
+- dispatch_s: over requests whose worker was idle when they arrived (no step of it in flight, none
+  due), the median time from their arrival to their first step's start (ttft - prefill), less the
+  host gap: the router's submit reaching the worker's loop;
+- gap_coef: the host time between two steps of a busy worker (its previous step left work): the
+  median gap, as g0, with the profile's per-sequence slope g1 kept;
+- slowdown: how much longer a step takes while serving than the profile predicts, as a function of
+  the predicted time: over the steps whose features the records determine (decode-only steps: batch
+  from num_decode_seqs, their cached tokens from num_blocks_used, the blocks every running decode
+  holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
+  prefill_first or prefill workers: one chunk from token 0), the median measured / predicted per bin
+  of predicted time, made non-decreasing. On a shared CPU a long step is interrupted more often
+  than a short one, so it is slowed more;
+- noise: the quantiles of each of these (experiments/sim/noise.py), for the simulator to draw from;
+  steps as measured / (predicted x slowdown), decode-only and prefill apart;
+- other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
+  the calibration holds for (on a shared machine a run made while others used more CPU is slower).
+
+No run that a profile is calibrated on should be validated against it: the profile command makes
+its own calibration run with its own seed.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from experiments.report.points import find_points
+from experiments.serving.aggregate import read_jsonl
+from experiments.sim.noise import quantiles
+from experiments.sim.stepmodel import chunk_features
+
+
+def _repeats(run_dir: Path):
+    """(point identity, requests, steps) of every repeat under run_dir."""
+    for point in find_points(run_dir):
+        if point.metrics is None:
+            continue
+        for d in point.repeats:
+            machine = (_read(d / "metrics.json").get("machine") or {}) if (d / "metrics.json").is_file() else {}
+            yield point.info | {"machine": machine}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl")
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for s in steps:
+        out.setdefault(s["worker"], []).append(s)
+    for ss in out.values():
+        ss.sort(key=lambda s: s["start_s"])
+    return out
+
+
+def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
+    returns, queues, gaps, others = [], [], [], []
+    steps_seen = {"decode": [], "prefill": []}              # (predicted, measured) seconds
+    for ident, rows, steps in (x for d in run_dirs for x in _repeats(Path(d))):
+        workers = by_worker(steps)
+        if ident["machine"].get("other_cores") is not None:
+            others.append(ident["machine"]["other_cores"])
+        whole = ident.get("mode") == "disaggregated" or ident.get("policy") == "prefill_first"
+        for worker, ss in workers.items():
+            for cur, nxt in zip(ss, ss[1:]):
+                if (cur["num_running"] or cur["num_waiting"]) and not worker.startswith("prefill"):
+                    gaps.append(nxt["start_s"] - cur["end_s"])
+            for s in ss:
+                measured = s["end_s"] - s["start_s"]
+                b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
+                if b and not p:
+                    context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
+                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured))
+                elif p and not b and s["num_prefill_seqs"] == 1 and (whole or worker.startswith("prefill")):
+                    steps_seen["prefill"].append((model.time(chunk_features(0, 0, [(p, 0, True)])), measured))
+        if not whole:
+            steps_seen["prefill"] += chunk_steps(rows, workers, model, block_size)
+        for r in rows:
+            if r.get("status") != "ok" or r.get("queue_s") is None:
+                continue
+            if r.get("client_ttft_s") is not None:
+                returns.append(r["client_ttft_s"] - r["ttft_s"])
+            if _idle_at(workers.get(r["prefill_worker"], []), r["arrival_s"]):
+                queues.append(r["ttft_s"] - r["prefill_s"])
+    if not returns or not steps_seen["decode"]:
+        raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
+    pairs = sorted(steps_seen["decode"] + steps_seen["prefill"])
+    slowdown = slowdown_curve(pairs, per_bin)
+    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]})
+    residual = {k: [m / curve._slowed(p) for p, m in v] for k, v in steps_seen.items()}
+    g0 = statistics.median(gaps) if gaps else model.gap(0)
+    dispatch = [max(0.0, q - g0) for q in queues]
+    noise = {"decode": quantiles(residual["decode"], normalise=True),
+             "prefill": quantiles(residual["prefill"], normalise=True) if residual["prefill"] else None,
+             "gap": quantiles(gaps) if gaps else None, "return": quantiles(returns),
+             "dispatch": quantiles(dispatch) if dispatch else None}
+    return {"return_s": statistics.median(returns),
+            "dispatch_s": statistics.median(dispatch) if dispatch else 0.0, "gap_s": g0,
+            "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "noise": noise,
+            "other_cores": statistics.median(others) if others else None,
+            "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
+                    "decode_steps": len(steps_seen["decode"]), "prefill_steps": len(steps_seen["prefill"])}}
+
+
+def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list[tuple[float, float]]:
+    """(predicted, measured) of a chunked run's steps that carried one prompt chunk: a request's chunks
+    are its worker's steps up to the one that made its first token (ending at its arrival + ttft_s,
+    both on the router's clock); where each carried one chunk and their tokens add up
+    to the prompt, they are all its own, in order, so each one's start in the prompt is known."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or r.get("queue_s") is None or r.get("prefill_s") is None:
+            continue
+        ss = workers.get(r["prefill_worker"], [])
+        if not ss:
+            continue
+        first_token = r["arrival_s"] + r["ttft_s"]
+        last = min(range(len(ss)), key=lambda i: abs(ss[i]["end_s"] - first_token))
+        mine, total, i = [], 0, last
+        while i >= 0 and total < r["prompt_len"] and ss[i]["num_prefill_seqs"] == 1:
+            mine.insert(0, ss[i])
+            total += ss[i]["num_prefill_tokens"]
+            i -= 1
+        if total != r["prompt_len"] or abs(ss[last]["end_s"] - first_token) > 1e-4:
+            continue
+        start = 0
+        for s in mine:
+            n, b = s["num_prefill_tokens"], s["num_decode_seqs"]
+            context = max(0, s["num_blocks_used"] * block_size - (start + n) - b * block_size // 2) if b else 0
+            f = chunk_features(b, context, [(n, start, start + n == r["prompt_len"])])
+            out.append((model.time(f), s["end_s"] - s["start_s"]))
+            start += n
+    return out
+
+
+def slowdown_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
+    """(predicted seconds, median measured / predicted) per bin of predicted time: bins a factor of 1.25
+    wide, merged with the next until they hold `per_bin` steps (the last with the one before); the
+    ratios then made non-decreasing (a longer step is never less slowed: contention for the cores
+    interrupts a long step more often), pooling adjacent bins that break it."""
+    bins, cur, edge = [], [], None
+    for p, m in pairs:
+        if edge is None:
+            edge = p * 1.25
+        if p > edge and len(cur) >= per_bin:
+            bins.append(cur)
+            cur, edge = [], p * 1.25
+        cur.append((p, m))
+    if cur:
+        if bins and len(cur) < per_bin:
+            bins[-1] += cur
+        else:
+            bins.append(cur)
+    blocks = [[statistics.median(p for p, _ in b), statistics.median(m / p for p, m in b), len(b)] for b in bins if b]
+    out: list[list[float]] = []
+    for blk in blocks:                        # pool adjacent violators (isotonic regression on medians)
+        out.append(blk)
+        while len(out) > 1 and out[-2][1] > out[-1][1]:
+            b2, b1 = out.pop(), out.pop()
+            w = b1[2] + b2[2]
+            out.append([(b1[0] * b1[2] + b2[0] * b2[2]) / w, (b1[1] * b1[2] + b2[1] * b2[2]) / w, w])
+    return [float(b[0]) for b in out], [float(b[1]) for b in out]
+
+
+def _idle_at(steps: list[dict], t: float) -> bool:
+    """No step of the worker in flight at t, and the one before left it without work."""
+    before = [s for s in steps if s["start_s"] <= t]
+    if not before:
+        return True
+    last = before[-1]
+    return last["end_s"] < t and not (last["num_running"] or last["num_waiting"])

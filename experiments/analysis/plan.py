@@ -1,0 +1,338 @@
+"""Which layout gives the most goodput per GPU: `python -m experiments.plan [overrides] cluster.gpus=N`.
+
+The criterion is DistServe's: a layout's goodput per GPU is the highest request rate per GPU at which
+at least slo.attainment_target (90%) of requests meet both SLOs (TTFT and TPOT), found by bisection
+over the rate with the simulator (experiments/sim/), the workload's shape at each rate. A rate is met
+when the attainment target holds and the cluster keeps up (`kept_up`): a burst of a few requests
+meets any SLO, so attainment alone would pass any rate; a queue that grows over the second half of
+the arrivals shows a rate the cluster cannot sustain however loose the SLOs. A probe serves at least
+`requests_per_worker` requests per worker and HORIZON x the TTFT target of arrivals (not the decode
+probe: its prompts are free), extended to RUN_LATENCIES median latencies when that is longer, so the
+second half starts after the run has warmed up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import apply_layout, parse
+from experiments.serving.workload import build_workload
+from experiments.sim.backend import costs_for, simulate
+
+
+HORIZON = 10              # a probe's arrivals span at least this many TTFT targets ...
+RUN_LATENCIES = 12        # ... and this many of its requests' median latency
+GROWTH = 0.02             # kept up: the queue grew by at most this share of the second half's arrivals
+MAX_REQUESTS = 50_000     # ... up to this many requests (a simulation's records stay under ~100 MB)
+
+
+class FreeStep:
+    """A step model whose steps take 1 us: the prefill side of the decode probe."""
+
+    name = "free"
+
+    def time(self, f) -> float:
+        return 1e-6
+
+    def gap(self, num_seqs: int) -> float:
+        return 0.0
+
+    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
+        return np.full(k, 1e-6)
+
+
+@dataclass
+class Candidate:
+    layout: str                  # colocated-prefill_first | colocated-chunked | <P>p<D>d
+    chunk: int | None            # chunked: the token budget
+    goodput_per_gpu: float       # requests/s per GPU at >= target attainment
+    how: str                     # "phases" (min(P g_p, D g_d)) | "probe" (a small colocated cluster) | "full"
+    rate: float = 0.0            # whole-cluster request rate at that goodput
+    attainment: float | None = None
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout} (chunk {self.chunk})" if self.chunk else self.layout
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.layout.startswith("colocated")
+
+
+def _spec(cfg: DictConfig, layout: str, gpus: int, chunk: int | None = None):
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    c.cluster.gpus = gpus
+    if chunk:
+        c.scheduler.token_budget = chunk
+    return parse(apply_layout(c, layout))
+
+
+def attainment(sim, ttft_s: float, tpot_s: float, phase: str = "both") -> float:
+    """Share of submitted requests that completed within the SLOs of `phase` (prefill: TTFT; decode:
+    TPOT; both), as experiments/serving/metrics.py counts them."""
+    good = 0
+    recs = sim.records.values()
+    for r in recs:
+        if r.status != "ok":
+            continue
+        t_ok = r.first_time - r.arrival_s <= ttft_s
+        p_ok = r.num_out < 2 or (r.last_time - r.first_time) / (r.num_out - 1) <= tpot_s
+        good += {"prefill": t_ok, "decode": p_ok, "both": t_ok and p_ok}[phase]
+    return good / max(len(recs), 1)
+
+
+def kept_up(sim, phase: str = "both") -> bool:
+    """The requests in the system (arrived, not ended; for the prefill phase, not through their first
+    token) grew over the second half of the arrivals by at most GROWTH of that half's arrivals, plus
+    three standard deviations of a steady count (Poisson: the square root of the count at the half)."""
+    recs = list(sim.records.values())
+    arrivals = np.sort([r.arrival_s for r in recs])
+    done = [r.first_time if phase == "prefill" else r.end_time for r in recs]
+    ends = np.sort([math.inf if t is None else t for t in done])
+    half, last = arrivals[-1] / 2, arrivals[-1]
+
+    def in_system(t):
+        return np.searchsorted(arrivals, t, side="right") - np.searchsorted(ends, t, side="right")
+
+    second = len(arrivals) - np.searchsorted(arrivals, half, side="right")
+    return in_system(last) - in_system(half) <= GROWTH * second + 3 * math.sqrt(in_system(half) + 1)
+
+
+class Search:
+    """Bisection of the highest rate meeting the target, each probe one simulation."""
+
+    def __init__(self, cfg: DictConfig, requests_per_worker: int, steps: int, seed: int, costs=None):
+        self.cfg, self.per_worker, self.steps, self.seed = cfg, requests_per_worker, steps, seed
+        self.num_sims = 0
+        base = parse(apply_layout(cfg, "colocated-chunked"))
+        self.slo, self.target = base.slo, base.slo.attainment_target
+        self.costs = costs or costs_for(base)
+
+    def run(self, spec, rate: float, n: int, costs=None, horizon: bool = True, phase: str = "both"):
+        """A simulation at `rate`; with `horizon`, long enough to judge `phase` (the module docstring:
+        the latency is to the first token for the prefill phase, to the last otherwise)."""
+        if horizon and phase != "decode":           # a decode probe's prompts are free: no TTFT to queue in
+            n = min(MAX_REQUESTS, max(n, math.ceil(rate * HORIZON * self.slo.ttft_ms / 1e3)))
+        sim = self._simulate(spec, rate, n, costs)
+        if horizon and n < MAX_REQUESTS:
+            ends = [(r.first_time if phase == "prefill" else r.last_time) - r.arrival_s
+                    for r in sim.records.values() if r.status == "ok"]
+            want = math.ceil(rate * RUN_LATENCIES * float(np.median(ends))) if ends else n
+            if want > n:
+                sim = self._simulate(spec, rate, min(MAX_REQUESTS, want), costs)
+        return sim
+
+    def _simulate(self, spec, rate: float, n: int, costs):
+        w = dataclasses.replace(spec.workload, rate=rate, num_requests=n)
+        arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, self.seed, token_ids=False)
+        self.num_sims += 1
+        return simulate(spec, arrivals, costs or self.costs, record_steps=False, keep_tokens=False)
+
+    def meets(self, spec, rate: float, n: int, phase: str, costs=None, horizon: bool = True) -> tuple[bool, float]:
+        sim = self.run(spec, rate, n, costs, horizon, phase)
+        a = attainment(sim, self.slo.ttft_ms / 1e3, self.slo.tpot_ms / 1e3, phase)
+        return a >= self.target and (not horizon or kept_up(sim, phase)), a
+
+    def highest(self, spec, per: int, phase: str, guess: float, costs=None) -> tuple[float, float | None]:
+        """Highest rate per `per` workers meeting the target (0.0 if even a trickle misses it) and the
+        attainment there; `costs` in place of the search's (the decode probe's)."""
+        n = self.per_worker * per
+
+        def ok(r):
+            return self.meets(spec, r * per, n, phase, costs)
+
+        lo, hi, att = 0.0, guess, None
+        good, a = ok(hi)
+        if good:
+            while good:                       # grow until it fails
+                lo, att = hi, a
+                hi *= 2
+                good, a = ok(hi)
+                if hi > 1e6:
+                    break
+        else:
+            while not good and hi > guess / 1024:
+                hi /= 2
+                good, a = ok(hi)
+            if not good:
+                return 0.0, a
+            lo, att, hi = hi, a, hi * 2
+        for _ in range(self.steps):
+            mid = (lo + hi) / 2
+            good, a = ok(mid)
+            if good:
+                lo, att = mid, a
+            else:
+                hi = mid
+        return lo, att
+
+
+def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests_per_worker: int = 200,
+         steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0, costs=None) -> dict:
+    """The search of the module docstring; `costs` (experiments/sim/costs.py) replace the hardware
+    group's."""
+    started = time.perf_counter()
+    s = Search(cfg, requests_per_worker, steps, seed, costs)
+    guess = 1.0
+    out: list[Candidate] = []
+    k = max(1, min(probe, gpus))
+    # colocated
+    for layout, chunk in [("colocated-prefill_first", None)] + [("colocated-chunked", c) for c in chunks]:
+        spec = _spec(cfg, layout, k, chunk)
+        rate, att = s.highest(spec, k, "both", guess)
+        guess = rate or guess
+        out.append(Candidate(layout, chunk, rate, "probe", rate * gpus, att, {"probe_gpus": k}))
+    phases = {}
+    if gpus >= 2:
+        kp = max(1, min(probe, gpus // 2))
+        pspec = _spec(cfg, f"{kp}p{kp}d", 2 * kp)
+        g_p, a_p = s.highest(pspec, kp, "prefill", guess)
+        free = dataclasses.replace(s.costs, role_step={"prefill": FreeStep()}, export=(0.0, 0.0))
+        g_d, a_d = s.highest(pspec, kp, "decode", guess, free)
+        phases = {"prefill_per_worker": g_p, "decode_per_worker": g_d, "probe_workers": kp,
+                  "prefill_attainment": a_p, "decode_attainment": a_d}
+        for p in range(1, gpus):
+            rate = min(p * g_p, (gpus - p) * g_d)
+            out.append(Candidate(f"{p}p{gpus - p}d", None, rate / gpus, "phases", rate, None,
+                                 {"binding": "prefill" if p * g_p <= (gpus - p) * g_d else "decode"}))
+    ranked = sorted(out, key=lambda c: -c.goodput_per_gpu)
+    best = ranked[0]
+    other = next((c for c in ranked[1:] if c.disaggregated != best.disaggregated), None)
+    runner = next((c for c in ranked[1:] if c is not other), None) if other is None else other
+    verified = [verify(s, cfg, c, gpus, verify_requests_per_gpu) for c in (best, runner) if c is not None]
+    final = sorted(verified, key=lambda c: -c.goodput_per_gpu)
+    return {"candidates": out, "best": final[0], "runner_up": final[1] if len(final) > 1 else None,
+            "phases": phases, "num_sims": s.num_sims, "elapsed_s": time.perf_counter() - started,
+            "costs": s.costs.source, "gpus": gpus, "target": s.target, "slo": dataclasses.asdict(s.slo),
+            "steps": steps}
+
+
+def verify(s: Search, cfg: DictConfig, c: Candidate, gpus: int, per_gpu: int) -> Candidate:
+    """The candidate simulated on all N GPUs at its predicted rate, `per_gpu` requests each (the probes
+    ran long enough for queues to show; this checks what only the full cluster has: placement, links,
+    the split's balance); while it misses the target there, the rate is bisected down at full scale
+    (at most `s.steps` more simulations)."""
+    spec = _spec(cfg, c.layout, gpus, c.chunk)
+    n = per_gpu * gpus
+    rate = c.goodput_per_gpu * gpus
+    if rate <= 0:
+        return dataclasses.replace(c, how=c.how + "; no rate meets the target")
+    good, a = s.meets(spec, rate, n, "both", horizon=False)
+    if good:
+        return dataclasses.replace(c, how=f"{c.how}; full scale at that rate: {a:.1%}", attainment=a, rate=rate)
+    lo, hi, att = 0.0, rate, a
+    for _ in range(s.steps):
+        mid = (lo + hi) / 2
+        ok, a2 = s.meets(spec, mid, n, "both", horizon=False)
+        if ok:
+            lo, att = mid, a2
+        else:
+            hi = mid
+    return dataclasses.replace(c, goodput_per_gpu=lo / gpus, rate=lo, attainment=att,
+                               how=f"full scale (the {c.how} estimate {c.goodput_per_gpu:.3g}/GPU missed: {a:.1%})")
+
+
+# -- the command ----------------------------------------------------------------------------------
+def chunk_sizes(cfg: DictConfig) -> list[int]:
+    given = cfg.plan.get("chunks")
+    if given:
+        return [int(c) for c in given]
+    base = cfg.scheduler.get("token_budget") or 256
+    return sorted({max(8, int(base * f)) for f in (1, 2)})
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = result["gpus"]
+    splits = [c for c in result["candidates"] if c.disaggregated]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if splits:
+        ax.plot([int(c.layout.split("p")[0]) for c in splits], [c.goodput_per_gpu for c in splits], "-",
+                label="disaggregated P:D (phase estimate)")
+    for c in (c for c in result["candidates"] if not c.disaggregated):
+        ax.axhline(c.goodput_per_gpu, ls="--", lw=1, label=c.name)
+    for tag, c in (("best", result["best"]), ("runner-up", result["runner_up"])):
+        if c is not None and c.disaggregated:
+            ax.plot([int(c.layout.split("p")[0])], [c.goodput_per_gpu], "o", label=f"{tag}, full scale")
+    ax.set_xlabel(f"prefill GPUs P of {n} (D = {n} - P)")
+    ax.set_ylabel("goodput per GPU (req/s)")
+    ax.set_title(f"goodput per GPU at >= {result['target']:.0%} SLO attainment ({result['costs']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_lines(result: dict) -> list[str]:
+    best, run = result["best"], result["runner_up"]
+    lines = [f"best: {best.name}: {best.goodput_per_gpu:.3g} req/s per GPU ({best.rate:.4g} req/s on "
+             f"{result['gpus']} GPUs; {best.how})"]
+    if run is not None:
+        lines.append(f"runner-up: {run.name}: {run.goodput_per_gpu:.3g} req/s per GPU ({run.how})")
+        if run.goodput_per_gpu > 0:
+            x = best.goodput_per_gpu / run.goodput_per_gpu
+            res = 2.0 ** -result["steps"]          # the bisection's last bracket, relative to the rate
+            lines.append(f"margin: the best gives {x:.3g}x the runner-up's goodput per GPU ({x - 1:+.1%})" +
+                         (f"; the rate search resolves about {res:.0%}, so this is a tie" if x - 1 < res else ""))
+    return lines
+
+
+def main() -> None:
+    import json
+    import sys
+    from pathlib import Path
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from experiments.config import ConfigError
+    from experiments.run import CONF_DIR
+
+    @hydra.main(version_base=None, config_path=CONF_DIR, config_name="plan")
+    def app(cfg: DictConfig) -> None:
+        out = Path(HydraConfig.get().runtime.output_dir)
+        p = cfg.plan
+        base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        base.pop("plan")
+        base.compare, base.layout = None, None
+        try:
+            result = plan(base, int(cfg.cluster.gpus), chunk_sizes(cfg), p.probe, p.requests_per_worker, p.steps,
+                          p.verify_requests_per_gpu, cfg.seed)
+        except (ConfigError, ValueError) as e:
+            print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
+            sys.exit(2)
+        ph = result["phases"]
+        print(f"{cfg.model.name} on {result['gpus']} GPUs ({result['costs']}), workload {cfg.workload.name}, SLO TTFT "
+              f"<= {result['slo']['ttft_ms']:g} ms, TPOT <= {result['slo']['tpot_ms']:g} ms, attainment >= "
+              f"{result['target']:.0%}")
+        for c in sorted(result["candidates"], key=lambda c: -c.goodput_per_gpu)[:8]:
+            print(f"  {c.name:<34} {c.goodput_per_gpu:8.3g} req/s/GPU  ({c.how})")
+        if ph:
+            print(f"phases: one prefill worker sustains {ph['prefill_per_worker']:.3g} req/s within TTFT, one decode "
+                  f"worker {ph['decode_per_worker']:.3g} req/s within TPOT")
+        for line in summary_lines(result):
+            print(line)
+        plot(result, out / "plan.png")
+        print(f"plot: {out / 'plan.png'}; {result['num_sims']} simulations in {result['elapsed_s']:.1f} s")
+
+        def c_json(c):
+            return None if c is None else {"layout": c.layout, "chunk": c.chunk, "goodput_per_gpu": c.goodput_per_gpu,
+                                           "rate": c.rate, "attainment": c.attainment, "how": c.how}
+        (out / "plan.json").write_text(json.dumps({"best": c_json(result["best"]),
+                                                   "runner_up": c_json(result["runner_up"]),
+                                                   "candidates": [c_json(c) for c in result["candidates"]],
+                                                   "phases": ph}, indent=1))
+        print(json.dumps({"best": c_json(result["best"]), "runner_up": c_json(result["runner_up"]), "phases": ph,
+                          "gpus": result["gpus"], "costs": result["costs"], "num_sims": result["num_sims"],
+                          "elapsed_s": round(result["elapsed_s"], 2), "plot": str(out / "plan.png")}))
+
+    app()

@@ -1,0 +1,346 @@
+"""A profile of the device at hand: what pdlab's engine steps, exports, imports and transfers cost here.
+
+    python -m experiments.profile [model=tiny] [threads=N] [repeats=5] [calibrate=true] [out=FILE]
+
+1. Steps. The engine's ModelRunner executes hand-built steps over a grid of decode batch B x context C
+   x prompt chunk P (from token 0, and a few chunks that start later), in `repeats` interleaved rounds
+   after a warm-up round (each round visits every cell, the order rotated, so drift hits all alike).
+   The median per cell is fitted by experiments/sim/stepmodel.fit_linear; the profile keeps every
+   sample, the fit error per cell (relative to the median) and the repeat noise (each sample's
+   distance from its cell's median), so the fit can be judged against the noise.
+2. Host time between steps: a real Engine steps B decodes; the gap from one step's end to the next's
+   start (post-processing and scheduling) is fitted as g0 + g1 * B.
+3. Handoff: KVCache.export of a prompt's KV and Engine.import_request of it, fitted as fixed + per byte.
+4. Transfers: `cluster.transfer_bench` at a few payload sizes, `transfer_repeats` times; per backend
+   the median seconds per transfer at each size are fitted as latency + bytes / bandwidth.
+5. Serving calibration (calibrate=true): a short real run of the three default layouts on this
+   machine (its own seed, not a run anything is validated against) gives the router's message
+   latencies (dispatch: submit to the worker's first step of a request that found its worker idle;
+   return: a first token's step end to the router) and how much slower steps run while serving than in
+   isolation (`scale`: the median ratio of measured to fitted step time over the calibration run's
+   decode-only and prefill-only steps, whose features steps.jsonl determines; see `calibrate`).
+
+The machine's load over each part is recorded (experiments/serving/machine.py). Written as JSON to
+profiles/<hardware>/<model>-<dtype>-<threads>t.json, <hardware> naming this machine (`machine_name`).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.serving.machine import snapshot, usage
+from experiments.sim.stepmodel import LINEAR_TERMS, LinearStepModel, chunk_features, fit_linear, relative_errors
+from experiments.sim.transfer import fit_transfer
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = ROOT / "profiles"
+
+
+def machine_name() -> str:
+    """This machine as a file name: the GPU's name, or the CPU's model and core count."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return _slug(torch.cuda.get_device_name(0))
+    except ImportError:
+        pass
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1]
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu-{_slug(model)}-{cores}c"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
+
+
+def profile_path(model: str, dtype: str, threads: int, machine: str | None = None) -> Path:
+    return PROFILES / (machine or machine_name()) / f"{model}-{dtype}-{threads}t.json"
+
+
+# -- 1. steps ---------------------------------------------------------------------------------------
+class StepBench:
+    """Hand-built steps executed by a real ModelRunner: B decodes at context C beside one P-token chunk
+    from token s. Each decode request owns its blocks, as in serving."""
+
+    def __init__(self, model, max_batch: int, max_context: int, max_chunk_end: int, block_size: int = 16):
+        from workers.config import EngineConfig, blocks_for
+        from workers.engine import Engine
+        from workers.request import Request, SamplingParams
+
+        per = blocks_for(max_context + 1, block_size)
+        blocks = max_batch * per + blocks_for(max_chunk_end, block_size) + 8
+        budget = max_batch + max_chunk_end
+        self.engine = Engine(model, EngineConfig(policy="chunked", token_budget=budget, max_batch=max_batch + 1,
+                                                 block_size=block_size, num_kv_blocks=blocks,
+                                                 max_model_len=max(max_context + 2, max_chunk_end + 1)))
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        rng = np.random.default_rng(0)
+        vocab = model.cfg.vocab_size
+        self.decodes, self.base = [], []
+        for i in range(max_batch):
+            r = Request(id=f"d{i}", prompt_ids=rng.integers(0, vocab, max_context + 1).tolist(), params=params)
+            self.engine.blocks.allocate(r.block_ids, max_context + 1)
+            self.decodes.append(r)
+        self.chunk = Request(id="p", prompt_ids=rng.integers(0, vocab, max_chunk_end).tolist(), params=params)
+        self.engine.blocks.allocate(self.chunk.block_ids, max_chunk_end)
+
+    def step_s(self, b: int, context: int, chunk: int, start: int) -> float:
+        from workers.scheduler import ScheduledChunk, SchedulerOutput
+
+        out = SchedulerOutput()
+        for r in self.decodes[:b]:
+            r.token_ids, r.num_computed_tokens = r.prompt_ids[:context + 1], context
+            out.decodes.append(ScheduledChunk(r, 1))
+        if chunk:
+            r = self.chunk
+            r.token_ids, r.num_computed_tokens = r.prompt_ids[:start + chunk], start
+            out.prefills.append(ScheduledChunk(r, chunk))
+        t = time.perf_counter()
+        self.engine.runner.execute(out)
+        return time.perf_counter() - t
+
+
+def grid_cells(batches, contexts, chunks, starts) -> list[tuple[int, int, int, int]]:
+    """(B, C, P, s) cells: every B x C x P from token 0 (B = 0 at one context), and chunks of P in
+    `chunks` starting at each s in `starts` beside B in {0, the middle batch}."""
+    cells = []
+    for b, c, p in itertools.product(batches, contexts, chunks):
+        if (b == 0 and (p == 0 or c != contexts[0])):
+            continue
+        cells.append((b, c, p, 0))
+    mid = sorted(batches)[len(batches) // 2]
+    for s, p, b in itertools.product(starts, [x for x in chunks if x], sorted({0, mid})):
+        if s:
+            cells.append((b, contexts[0], p, s))
+    return cells
+
+
+def measure_steps(bench: StepBench, cells, repeats: int) -> dict:
+    """{cell: [seconds per round]}: one warm-up round, then `repeats` rounds in rotated order."""
+    samples = {cell: [] for cell in cells}
+    for k in range(repeats + 1):
+        shift = (k * 7) % len(cells)
+        for cell in cells[shift:] + cells[:shift]:
+            t = bench.step_s(*cell)
+            if k:
+                samples[cell].append(t)
+    return samples
+
+
+def fit_steps(samples: dict) -> dict:
+    cells = list(samples)
+    feats = [chunk_features(b, b * c, [(p, s, True)] if p else []) for b, c, p, s in cells]
+    med = [statistics.median(samples[c]) for c in cells]
+    coef, err = fit_linear(feats, med)
+    noise = [abs(x - m) / m for c, m in zip(cells, med) for x in samples[c]]
+    model = LinearStepModel(coef)
+    per_cell = [{"batch": b, "context": c, "chunk": p, "start": s, "median_s": m, "predicted_s": model.time(f),
+                 "samples_s": samples[(b, c, p, s)]} for (b, c, p, s), m, f in zip(cells, med, feats)]
+    return {"coef": coef, "fit_error": err,
+            "repeat_noise": {"median_abs": float(np.median(noise)), "p90_abs": float(np.percentile(noise, 90))},
+            "cells": per_cell}
+
+
+# -- 2. host gap ------------------------------------------------------------------------------------
+def measure_gap(model, batches, steps: int = 40) -> dict:
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+    from workers.request import SamplingParams
+
+    xs, ys = [], []
+    for b in batches:
+        engine = Engine(model, EngineConfig(policy="chunked", token_budget=17 * b, max_batch=b,
+                                            num_kv_blocks=b * 8 + 8, max_model_len=128))
+        for i in range(b):
+            engine.add_request(f"g{i}", [1] * 16, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        for _ in range(steps):
+            engine.step()
+        tr = engine.trace[2:]
+        gaps = [nxt.start - cur.end for cur, nxt in zip(tr, tr[1:]) if cur.num_decode_seqs == b]
+        xs.append(b)
+        ys.append(statistics.median(gaps))
+    g1, g0 = np.polyfit(xs, ys, 1)
+    g0, g1 = max(float(g0), 0.0), max(float(g1), 0.0)
+    return {"gap_coef": [g0, g1], "batches": xs, "median_gap_s": ys,
+            "fit_error": relative_errors([g0 + g1 * x for x in xs], ys)}
+
+
+# -- 3. handoff -------------------------------------------------------------------------------------
+def measure_handoff(model, sizes, repeats: int = 7) -> dict:
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+    from workers.request import SamplingParams
+
+    n_max = max(sizes)
+    cfg = EngineConfig(policy="chunked", token_budget=n_max + 8, max_batch=4, num_kv_blocks=4 * (n_max // 16 + 2),
+                       max_model_len=n_max + 8)
+    src, dst = Engine(model, cfg.replace(role="prefill")), Engine(model, cfg.replace(role="decode"))
+    per_token = model.cfg.kv_bytes_per_token(model.embed_tokens.element_size())
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    export, imp = [], []
+    for n in sizes:
+        ids = [1] * n
+        src.add_request("h", ids, params)
+        while src.requests["h"].status.value != "handoff":
+            src.step()
+        e, i = [], []
+        for k in range(repeats):
+            t = time.perf_counter()
+            kv = src.export_kv("h")
+            e.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            dst.import_request(f"i{k}", ids, 1, params, kv)
+            i.append(time.perf_counter() - t)
+            dst.abort(f"i{k}")
+        src.release("h")
+        export.append(statistics.median(e))
+        imp.append(statistics.median(i))
+    nbytes = [n * per_token for n in sizes]
+    out = {"sizes_tokens": list(sizes), "bytes": nbytes, "export_s": export, "import_s": imp}
+    for key, ys in (("export", export), ("import", imp)):
+        slope, fixed = np.polyfit(nbytes, ys, 1)
+        out[key] = [max(float(fixed), 0.0), max(float(slope), 0.0)]
+    return out
+
+
+# -- 4. transfers -----------------------------------------------------------------------------------
+def measure_transfers(sizes_mib, repeats: int, bench_repeats: int = 8) -> dict:
+    """cluster.transfer_bench `repeats` times; per backend the median per-transfer time at each size, fitted."""
+    runs = []
+    for _ in range(repeats):
+        cmd = [sys.executable, "-m", "cluster.transfer_bench", "--sizes-mib", ",".join(map(str, sizes_mib)),
+               "--repeats", str(bench_repeats), "--device", "cpu"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cluster.transfer_bench failed: {proc.stderr.strip().splitlines()[-1:]}")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = {"source": f"python -m cluster.transfer_bench --sizes-mib {','.join(map(str, sizes_mib))} --repeats "
+                     f"{bench_repeats}, {repeats} times; median per size",
+           "runs": [r["results"] for r in runs]}
+    for backend in runs[0]["backends"]:
+        sizes, secs = [], []
+        for i, row in enumerate(runs[0]["results"]):
+            per = [r["results"][i]["nbytes"] / (r["results"][i][f"{backend}_gbps"] * 1e9) for r in runs]
+            sizes.append(row["nbytes"])
+            secs.append(statistics.median(per))
+        model, err = fit_transfer(sizes, secs, backend)
+        out[backend] = model.to_dict() | {"bytes": sizes, "seconds": secs, "fit_error": err}
+    return out
+
+
+def timed(fn, *args, **kwargs):
+    before = snapshot()
+    value = fn(*args, **kwargs)
+    return value, usage(before, snapshot())
+
+
+# -- 5. serving calibration and the command ----------------------------------------------------------
+def calibration_run(out: Path, cfg) -> Path:
+    """The three default layouts served once on this machine with the calibration's own seed."""
+    c = cfg.calibration
+    cmd = [sys.executable, "-m", "experiments.run", f"model={cfg.model.name}", "repeats=1", "report=false",
+           f"seed={c.seed}", f"workload.num_requests={c.num_requests}", f"workload.rate={c.rate}",
+           f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibration run failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+    return out
+
+
+def run(cfg, out_dir: Path) -> dict:
+    import torch
+
+    from experiments.analysis.calibrate import calibrate
+    from workers.weights import build_model, parse_device, resolve_dtype
+
+    started = time.time()
+    device = parse_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    threads = cfg.threads or max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                     else os.cpu_count() or 1) // 2)
+    torch.set_num_threads(threads)
+    model = build_model(model=cfg.model.name, dtype=dtype, device=device, seed=0)
+    dname = str(dtype).removeprefix("torch.")
+    g = cfg.grid
+    print(f"profiling {cfg.model.name} ({dname}) on {machine_name()} with {threads} torch thread(s)")
+    bench = StepBench(model, max(g.batches), max(g.contexts), max(g.starts) + max(g.chunks))
+    cells = grid_cells(list(g.batches), list(g.contexts), list(g.chunks), list(g.starts))
+    samples, m_steps = timed(measure_steps, bench, cells, cfg.repeats)
+    del bench
+    steps = fit_steps(samples)
+    e = steps["fit_error"]
+    print(f"1/5 steps: {len(cells)} cells x {cfg.repeats} rounds; fit error median {e['median_abs']:.1%}, p90 "
+          f"{e['p90_abs']:.1%}; repeat noise median {steps['repeat_noise']['median_abs']:.1%}")
+    gap, m_gap = timed(measure_gap, model, list(cfg.gap_batches))
+    print(f"2/5 host gap between steps: {gap['gap_coef'][0] * 1e6:.0f} us + {gap['gap_coef'][1] * 1e6:.1f} us/seq")
+    handoff, m_handoff = timed(measure_handoff, model, list(cfg.handoff_tokens))
+    print(f"3/5 handoff: export {handoff['export_s'][-1] * 1e3:.2f} ms, import {handoff['import_s'][-1] * 1e3:.2f} ms "
+          f"at {handoff['sizes_tokens'][-1]} tokens")
+    transfer, m_transfer = timed(measure_transfers, list(cfg.transfer_sizes_mib), cfg.transfer_repeats)
+    for b in ("zmq", "nccl"):
+        if b in transfer:
+            print(f"4/5 transfer {b}: {transfer[b]['latency_s'] * 1e3:.2f} ms + bytes / "
+                  f"{transfer[b]['bandwidth'] / 1e9:.2f} GB/s")
+    model_d = LinearStepModel(steps["coef"], gap["gap_coef"], name=f"{cfg.model.name} on {machine_name()}").to_dict()
+    prof = {"kind": "pdlab-profile", "hardware": machine_name(), "device": str(device), "model": cfg.model.name,
+            "dtype": dname, "threads": threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "step_model": model_d, "fit_error": steps["fit_error"], "repeat_noise": steps["repeat_noise"],
+            "grid": {"batches": list(g.batches), "contexts": list(g.contexts), "chunks": list(g.chunks),
+                     "starts": list(g.starts), "repeats": cfg.repeats, "cells": steps["cells"]},
+            "gap": gap, "handoff": {"export": handoff["export"], "import": handoff["import"], "measured": handoff},
+            "transfer": transfer,
+            "machine": {"steps": m_steps, "gap": m_gap, "handoff": m_handoff, "transfer": m_transfer}}
+    if cfg.calibrate:
+        run_dir, m_cal = timed(calibration_run, out_dir / "calibration", cfg)
+        cal = calibrate([run_dir], LinearStepModel(steps["coef"], gap["gap_coef"]))
+        prof["serving"] = cal | {"source": f"python -m experiments.run seed={cfg.calibration.seed} (three layouts, "
+                                           f"{cfg.calibration.num_requests} requests at {cfg.calibration.rate}/s)"}
+        prof["machine"]["calibration"] = m_cal
+        sd = cal["slowdown"]
+        print(f"5/5 serving: dispatch {cal['dispatch_s'] * 1e3:.2f} ms, return {cal['return_s'] * 1e3:.2f} ms, gap "
+              f"{cal['gap_s'] * 1e3:.3f} ms; steps x{sd['ratio'][0]:.2f} (at {sd['pred_s'][0] * 1e3:.1f} ms) to "
+              f"x{sd['ratio'][-1]:.2f} (at {sd['pred_s'][-1] * 1e3:.1f} ms) of the isolated profile")
+    else:
+        print("5/5 serving calibration skipped (calibrate=false)")
+    path = Path(cfg.out) if cfg.out else profile_path(cfg.model.name, dname, threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    prof["path"] = str(path)
+    prof["elapsed_s"] = time.time() - started
+    return prof
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base=None, config_path=str(ROOT / "conf"), config_name="profile")
+    def app(cfg) -> None:
+        try:
+            prof = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            sys.exit(2)
+        print(f"profile: {prof['path']} ({prof['elapsed_s']:.0f} s)")
+        print(json.dumps({"profile": prof["path"], "hardware": prof["hardware"], "threads": prof["threads"],
+                          "fit_error": prof["fit_error"], "serving": prof.get("serving"),
+                          "elapsed_s": round(prof["elapsed_s"], 1)}))
+
+    app()

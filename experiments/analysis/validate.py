@@ -1,0 +1,183 @@
+"""How close the simulator comes to a real run: `python -m experiments.validate RUN_DIR [--profile FILE]`.
+
+Every repeat of every point under RUN_DIR (FORMATS.md) is replayed through the simulator: the same
+config (the repeat's config.yaml), the same requests (each one's arrival_s, prompt_len and max_tokens
+from requests.jsonl), with the costs of the machine that ran it (its profile: this machine's for the
+run's model and worker threads, or --profile). Real and simulated metrics are computed by the same
+experiments/serving/metrics.summarize; a point's value is the median over its repeats. Printed per
+point and metric (TTFT, TPOT, ITL, E2EL: mean, p50, p90, p99; goodput): real, simulated, error =
+(simulated - real) / real; then the conditions (the real run's machine load, the profile's fit error,
+and the CPU other processes used during the calibration and during the run). On a shared machine
+the calibration holds for the load it was made at: `--calibration DIR` recalibrates the profile's
+serving part from another real run (one made beside the run validated, never the run itself). The
+last line is JSON: {"errors": {"ttft_mean": ..., ...}, "max_abs_error": ...}, with keys "<metric>" for
+a run of one point and "<point>/<metric>" for several.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from experiments.config import parse
+from experiments.report.points import find_points
+from experiments.serving.aggregate import read_jsonl
+from experiments.serving.metrics import summarize
+from experiments.sim.backend import outputs, profile_for, simulate
+from experiments.sim.costs import from_profile
+from experiments.sim.simulator import Arrival
+
+SEEDS = 5
+METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
+TARGETS = {"mean": 0.05, "p50": 0.05, "p90": 0.10, "p99": 0.10, "goodput": 0.05}
+
+
+def metric_values(m: dict) -> dict:
+    out = {name: (m.get(f"{section}_ms") or {}).get(stat) for name, section, stat in METRICS}
+    out["goodput"] = m.get("goodput")
+    return out
+
+
+def _machine(rep_dir: Path) -> dict:
+    try:
+        return json.loads((rep_dir / "metrics.json").read_text()).get("machine") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
+           seeds: int = SEEDS, serving: dict | None = None) -> tuple[dict, dict, dict]:
+    """(real metrics, simulated metrics, the simulation's costs detail) of one repeat; the simulated
+    value of each metric is its median over `seeds` simulations with different noise draws (one run's
+    draws move a tail as much as the machine does)."""
+    cfg = OmegaConf.load(rep_dir / "config.yaml")
+    cfg.pop("hydra", None)
+    spec = parse(cfg)
+    rows = read_jsonl(rep_dir / "requests.jsonl")
+    arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
+                      key=lambda a: a.arrival_s)
+    costs = from_profile(profile or profile_for(spec), spec.transfer.backend, calibrated, serving)
+    s, n = spec.slo, spec.cluster.num_workers
+    real = metric_values(summarize(rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target))
+    runs = []
+    for seed in range(seeds if costs.noise else 1):
+        sim_rows, _ = outputs(simulate(spec, arrivals, costs, record_steps=False, noise_seed=spec.seed + seed))
+        runs.append(metric_values(summarize(sim_rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target)))
+    simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
+    return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
+                             "run_other_cores": _machine(rep_dir).get("other_cores")}
+
+
+def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
+             calibration: Path | None = None) -> dict:
+    points = [p for p in find_points(run_dir) if p.metrics is not None]
+    if not points:
+        raise ValueError(f"no completed point under {run_dir}")
+    serving = None
+    if calibration is not None:
+        if Path(calibration).resolve() == Path(run_dir).resolve():
+            raise ValueError("--calibration must be another run than the one validated")
+        serving = recalibrate(calibration, profile, points[0])
+    results = []
+    for p in points:
+        reps = [replay(d, profile, calibrated, SEEDS, serving) for d in p.repeats]
+        real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
+        sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
+        err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
+        load = [((m.get("machine") or {}).get("load_1m_end")) for m in [p.metrics]]
+        results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
+                        "repeats": len(reps), "real": real, "sim": sim, "error": err,
+                        "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0]})
+    return {"points": results}
+
+
+TARGETS_KEYS = [name for name, _, _ in METRICS] + ["goodput"]
+
+
+def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
+    """The serving calibration of the profile, redone from the real run at run_dir."""
+    from experiments.analysis.calibrate import calibrate
+    from experiments.sim.backend import profile_for
+    from experiments.sim.stepmodel import LinearStepModel
+
+    if profile is None:
+        cfg = OmegaConf.load(point.repeats[0] / "config.yaml")
+        cfg.pop("hydra", None)
+        profile = profile_for(parse(cfg))
+    prof = json.loads(Path(profile).read_text())
+    cal = calibrate([Path(run_dir)], LinearStepModel(prof["step_model"]["coef"], prof["gap"]["gap_coef"]))
+    return cal | {"source": f"recalibrated from {run_dir}"}
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def target(key: str) -> float:
+    return TARGETS["goodput" if key == "goodput" else key.rsplit("_", 1)[1]]
+
+
+def summary(result: dict) -> dict:
+    many = len(result["points"]) > 1
+    errors = {}
+    for p in result["points"]:
+        for k, e in p["error"].items():
+            errors[f"{p['point']}/{k}" if many else k] = e
+    defined = [abs(e) for e in errors.values() if e is not None]
+    met = {k: abs(e) <= target(k.rsplit("/", 1)[-1]) for k, e in errors.items() if e is not None}
+    return {"errors": errors, "max_abs_error": max(defined) if defined else None,
+            "_met": (sum(met.values()), len(met))}
+
+
+def print_table(result: dict) -> None:
+    for p in result["points"]:
+        m = p["machine"]
+        load = m.get("load_1m_end_max", m.get("load_1m_end"))
+        print(f"== {p['label']} ({p['repeats']} repeat(s); real run's 1-min load up to "
+              f"{'n/a' if load is None else f'{load:.1f}'} on {m.get('cores', '?')} cores) ==")
+        print(f"{'metric':<12} {'real':>10} {'simulated':>10} {'error':>8}  target")
+        for k in TARGETS_KEYS:
+            r, s, e = p["real"][k], p["sim"][k], p["error"][k]
+            unit = "req/s" if k == "goodput" else "ms"
+            text = "n/a" if e is None else f"{e:+.1%}"
+            ok = "" if e is None else ("met" if abs(e) <= target(k) else "MISSED")
+            print(f"{k:<12} {_fmt(r):>10} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}  {unit}")
+    c = result["points"][0]["costs"]
+    fe = c.get("fit_error") or {}
+    print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
+          f"{fe.get('p90_abs', float('nan')):.1%}; {c.get('seeds')} noise seed(s) per repeat")
+    runs = [p["costs"].get("run_other_cores") for p in result["points"]]
+    runs = [x for x in runs if x is not None]
+    cal = c.get("calibration_other_cores")
+    print(f"other processes' CPU: {'n/a' if cal is None else f'{cal:.2f}'} cores during the calibration, "
+          f"{', '.join(f'{x:.2f}' for x in runs) or 'n/a'} during the run (first repeat of each point)")
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a real run: one point, a directory of points, or a sweep")
+    ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
+    ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
+    ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
+    args = ap.parse_args(argv)
+    try:
+        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration)
+    except (ValueError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print_table(result)
+    line = summary(result)
+    met, total = line.pop("_met")
+    print(f"targets: |error| <= {TARGETS['mean']:.0%} on means and p50, {TARGETS['p90']:.0%} on p90 and p99, "
+          f"{TARGETS['goodput']:.0%} on goodput: {met} of {total} met")
+    print(json.dumps(line))
+    return 0

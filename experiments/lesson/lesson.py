@@ -1,0 +1,219 @@
+"""The lesson: why prefill and decode interfere, how chunked prefill moves token latency, and when to
+disaggregate, answered with numbers measured by this run.
+
+    python -m experiments.lesson [overrides]        (quick=true: the reduced version)
+
+Writes lesson.md, its figures, lesson.json (every number the text uses) and, under runs/, the
+run directories of the end-to-end measurements (each readable by experiments.report).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import torch
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.analysis import decision_sim
+from experiments.lesson import plots as lesson_plots, text as lesson_text
+from experiments.config import ConfigError
+from experiments.analysis.interference import gap_summary, measure
+from experiments.serving.machine import snapshot, usage
+from experiments.analysis.roofline import HARDWARE
+from experiments.analysis.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
+from experiments.serving.compare import Estimate, best
+from experiments.run import CONF_DIR
+from experiments.serving.serve import prepare, serve_all
+from workers.config import preset
+from workers.weights import build_model, parse_device, resolve_dtype
+
+log = logging.getLogger("pdlab")
+MODES = {"colocated-prefill_first": "colocated prefill_first", "colocated-chunked": "colocated chunked"}
+
+
+def _disagg(gpus: int) -> str:
+    return f"{gpus // 2}p{gpus - gpus // 2}d"
+
+
+# -- 1. the roofline ----------------------------------------------------------------------------
+def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int, out: Path) -> dict:
+    r = cfg.roofline
+    mcfg = preset(r.model)
+    args = (list(r.prefill_tokens), list(r.decode_batches), r.context, r.mixed.batch, r.mixed.chunk)
+    per_hw, pts = {}, []
+    for name in r.hardware:
+        hw = HARDWARE[name]
+        pts = operating_points(mcfg, hw, DTYPE_BYTES[r.dtype], *args)
+        per_hw[name] = {"hardware": asdict(hw), "ridge": hw.ridge, "points": [asdict(p) for p in pts]}
+    here = operating_points(mcfg_here, hw_here, dtype_bytes_here, *args)
+    last = list(r.hardware)[-1]
+    lesson_plots.roofline_plot(HARDWARE[last], pts, out / "roofline.png",
+                               title=f"{mcfg.name} on {last} (circles) and {mcfg_here.name} on this device (squares)",
+                               extra=[(hw_here, here, "s")])
+    return {"model": mcfg.name, "dtype": r.dtype, "context": r.context, "mixed": dict(r.mixed),
+            "hardware": per_hw,
+            "here": {"model": mcfg_here.name, "hardware": asdict(hw_here), "ridge": hw_here.ridge,
+                     "points": [asdict(p) for p in here]}}
+
+
+# -- 2. interference, measured -------------------------------------------------------------------
+def interference_section(cfg: DictConfig, model, hw, device: str, out: Path) -> dict:
+    i = cfg.interference
+    before = snapshot()
+    pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed,
+                  max_remeasure=i.max_remeasure)
+    machine = usage(before, snapshot())
+    lesson_plots.interference_plot(pts, out / "interference.png", device)
+    return {"device": device, "hardware": asdict(hw), "context": i.context, "repeats": i.repeats,
+            "max_remeasure": i.max_remeasure, "points": [p.to_dict() for p in pts], "gap": gap_summary(pts),
+            "machine": machine}
+
+
+# -- serving points through the run machinery ---------------------------------------------------
+def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str, dict]:
+    """Serve each named point (its overrides) exactly as `python -m experiments.run` would (same code, same
+    files, under runs/<name>/), all of them `cfg.repeats` times round-robin; returns each one's summary."""
+    prepared = []
+    for name, overrides in named.items():
+        pcfg = compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
+        prepared += prepare(pcfg, runs / name, ",".join(overrides))
+    out = {}
+    for name, result in zip(named, serve_all(prepared, cfg.repeats)):
+        if "error" in result:
+            raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
+        out[name] = summary(result)
+    return out
+
+
+def common(cfg: DictConfig) -> list[str]:
+    model = [f"model={cfg.model.name}"] + ([f"model.checkpoint={cfg.model.checkpoint}"] if cfg.model.checkpoint else [])
+    slo = [f"slo.{k}={v}" for k, v in cfg.slo.items()]
+    return [*model, *slo, f"seed={cfg.seed}", f"cluster.gpus={cfg.gpus}"]
+
+
+def summary(metrics: dict) -> dict:
+    keep = ("goodput", "goodput_per_gpu", "slo_attainment", "num_completed", "num_submitted", "duration_s",
+            "step_ratio", "ci", "machine")
+    out = {k: metrics.get(k) for k in keep}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        out[key] = metrics[key]
+    out["label"] = metrics["point"]["label"]
+    out["repeats"] = (metrics.get("repeats") or {}).get("num_ok", 1)
+    return out
+
+
+# -- 3. chunked prefill and token latency --------------------------------------------------------
+def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
+    c = cfg.chunking
+    base = common(cfg) + [f"workload={c.workload}", f"workload.rate={c.rate}", f"workload.num_requests={c.num_requests}"]
+    named = {f"chunked_{size}": base + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
+             for size in c.chunk_sizes}
+    named |= {"prefill_first": base + ["layout=colocated-prefill_first"],
+              "disaggregated": base + [f"layout={_disagg(cfg.gpus)}"]}
+    served = serve(cfg, named, runs)
+    chunked = [{"chunk": size, **served[f"chunked_{size}"]} for size in c.chunk_sizes]
+    refs = {k: served[k] for k in ("prefill_first", "disaggregated")}
+    lesson_plots.chunking_plot(chunked, refs, out / "chunking.png")
+    return {"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
+            "chunked": chunked, "refs": refs}
+
+
+# -- 4. when to disaggregate ---------------------------------------------------------------------
+def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
+    m, e = cfg.decision.measured, cfg.decision.simulated
+    layouts = ["colocated-prefill_first", "colocated-chunked", _disagg(cfg.gpus)]
+    named = {}
+    for lp in m.prompt_lens:
+        for lo in m.output_lens:
+            base = common(cfg) + ["workload=fixed", "workload.arrival=poisson", f"workload.rate={m.rate}",
+                                  f"workload.num_requests={m.num_requests}", "workload.length_scale=1.0",
+                                  f"workload.prompt_len.value={lp}", f"workload.output_len.value={lo}"]
+            named |= {f"p{lp}_o{lo}/{lay}": base + [f"layout={lay}"] for lay in layouts}
+    served = serve(cfg, named, runs) if named else {}
+    measured = []
+    for lp in m.prompt_lens:
+        for lo in m.output_lens:
+            modes = {lay: served[f"p{lp}_o{lo}/{lay}"] for lay in layouts}
+            measured.append({"prompt_len": lp, "output_len": lo, "modes": modes, "winner": _winner(modes)})
+    mcfg, hw = preset(e.model), HARDWARE[e.hardware]
+    base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
+                                        f"seed={cfg.seed}"])
+    started = time.time()
+    simulated = decision_sim.simulated_map(
+        base, e.gpus, list(e.prompt_lens), list(e.output_lens), {k: dict(v) for k, v in e.slos.items() if v}, e.link_bw,
+        list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
+        e.steps, e.stream)
+    cells = [c for s in simulated.values() for c in s["grid"]]
+    lesson_plots.decision_plot(simulated, measured, out / "decision.png",
+                               title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
+    return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
+            "simulated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
+                          "stream": e.stream, "source": cells[0]["source"] if cells else None,
+                          "elapsed_s": time.time() - started, "num_sims": sum(c["num_sims"] for c in cells),
+                          "crossover_output_len": e.crossover_output_len,
+                          "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
+
+
+def _winner(modes: dict) -> str:
+    """The layout whose goodput per GPU interval lies above every other's; "tie" when none does."""
+    ests = [Estimate(lay, m["goodput_per_gpu"], tuple(ci) if (ci := (m.get("ci") or {}).get("goodput_per_gpu"))
+                     else None) for lay, m in modes.items()]
+    return best(ests) or "tie"
+
+
+def _plain(x):
+    return json.loads(json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+# -- the command ---------------------------------------------------------------------------------
+def run(cfg: DictConfig, out: Path) -> dict:
+    if cfg.quick:
+        cfg = OmegaConf.merge(cfg, cfg.quick_overrides)
+    started = time.time()
+    device = parse_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    hw = HardwareSpec(**OmegaConf.to_container(cfg.hardware, resolve=True)).resolve()
+    model = build_model(model=None if cfg.model.checkpoint else cfg.model.name, checkpoint=cfg.model.checkpoint,
+                        dtype=dtype, device=device, seed=cfg.seed)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} threads"
+    results = {"device": where, "model": model.cfg.name, "dtype": str(dtype).removeprefix("torch."),
+               "quick": bool(cfg.quick), "gpus": cfg.gpus}
+    print(f"1/4 roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
+    results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
+    print(f"2/4 interference measured on {where}")
+    results["interference"] = interference_section(cfg, model, hw, where, out)
+    del model
+    runs = out / "runs"
+    print("3/4 chunked prefill end to end")
+    results["chunking"] = chunking_section(cfg, runs / "chunking", out)
+    print("4/4 when to disaggregate")
+    results["decision"] = decision_section(cfg, runs / "decision", out)
+    results["elapsed_s"] = time.time() - started
+    (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))
+    (out / "lesson.md").write_text(lesson_text.render(_plain(results)))
+    return results
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="lesson")
+def main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    logging.getLogger("pdlab").setLevel(logging.INFO)
+    try:
+        results = run(cfg, out)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    print(f"lesson: {out / 'lesson.md'} ({results['elapsed_s']:.0f} s)")
+    print(json.dumps({"lesson": str(out / "lesson.md"), "elapsed_s": round(results["elapsed_s"], 1),
+                      "quick": results["quick"], "device": results["device"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The section of lesson.md on when to disaggregate: the measured cells (a winner only where its goodput
+interval lies above every other's) and the simulated map (experiments/analysis/decision_sim.py: the
+planner's search in the simulator, with the costs each cell names). Words only, as in text.py."""
+from __future__ import annotations
+
+from experiments.lesson.text import CI, cell, name, num
+
+
+def when(r: dict, n: int) -> str:
+    de = r["decision"]
+    est = de["simulated"]
+    lines = [f"## {n}. When to disaggregate", "", "![decision](decision.png)", ""]
+    if de["measured"]:
+        layouts = list(de["measured"][0]["modes"])
+        head = "| prompt | output | " + " | ".join(f"{name(lay)} goodput/GPU" for lay in layouts) + " | winner |"
+        rows = [f"| {c['prompt_len']} | {c['output_len']} | " +
+                " | ".join(cell(c["modes"][lay], "goodput_per_gpu") for lay in layouts) + f" | {name(c['winner'])} |"
+                for c in de["measured"]]
+        lines += [f"**Measured here** ({r['model']}, {de['measured_gpus']} workers per layout, "
+                  f"{num(de['measured_rate'])} requests/s, the lesson's SLO; goodput per GPU as median [{CI} "
+                  "interval]; a winner only where its interval lies above every other's):", "",
+                  head, "|" + "---|" * (len(layouts) + 3), *rows, ""]
+    else:
+        lines += ["**Measured here:** no cell in this run (quick mode measures none).", ""]
+    lines += [
+        f"**Simulated** for {est['model']} on {est['hardware']} with {est['gpus']} GPUs and a "
+        f"{num(est['link_bw'] / 1e9)} GB/s KV link, every cell {est['source']} "
+        "(`experiments/analysis/decision_sim.py`: the planner's search in the simulator, running pdlab's scheduler, "
+        "block manager and router; a mode's goodput per GPU is the highest rate at which the share of requests within "
+        f"both SLOs meets the attainment target, so tails, queueing, batching and preemption count; {est['num_sims']} "
+        f"simulations in {num(est['elapsed_s'])} s). The step times are the roofline's at the efficiencies `experiments/sim/"
+        "stepmodel.py` states, not a measurement on that GPU. " + STREAM_TEXT.get(est.get("stream", "off"), ""),
+        "",
+    ]
+    for slo_name, s in est["by_slo"].items():
+        lines += [_map_paragraph(slo_name, s, est), ""]
+    lines.append(_answer(de))
+    return "\n".join(lines)
+
+
+STREAM_TEXT = {
+    "off": "The KV moves after the prefill, so all of the transfer delays the second token.",
+    "layer": ("The KV streams layer by layer as the prefill computes it, so only the exposed transfer delays the "
+              "second token: the last layer's share while the link keeps up with the compute, more when it does "
+              "not (the link's capacity is the same in both modes)."),
+}
+
+
+def _link_saving(prompt_len: int, least: dict | None) -> str:
+    """What overlap saves in link bandwidth: the least link bandwidth tried at which disaggregation wins,
+    per stream mode (experiments/analysis/decision_sim.py)."""
+    if not least:
+        return ""
+    off, layer = least.get("off"), least.get("layer")
+    at = f"at {prompt_len}-token prompts"
+    if off is None and layer is None:
+        return f"; {at} disaggregation wins at no link bandwidth whether the KV streams or not"
+    if off is None:
+        return (f"; {at} disaggregation wins only when the KV streams layer by layer, from "
+                f"{num(layer / 1e9)} GB/s, and at no bandwidth when it follows the prefill")
+    if layer is None:
+        return f"; {at} disaggregation wins from {num(off / 1e9)} GB/s with the KV after the prefill only"
+    if abs(off / layer - 1) < 0.02:
+        return f"; {at} it needs {num(off / 1e9)} GB/s either way: streaming saves no link bandwidth here"
+    return (f"; {at} it needs {num(off / 1e9)} GB/s with the KV sent after the prefill and {num(layer / 1e9)} GB/s "
+            f"streamed layer by layer: overlap lets a link {num(off / layer)}x slower do")
+
+
+def _wins(cells: list[dict]) -> dict:
+    wins: dict = {}
+    for c in cells:
+        wins[c["winner"]] = wins.get(c["winner"], 0) + 1
+    return wins
+
+
+def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
+    cells = s["grid"]
+    share = ", ".join(f"{name(k)} {v} of {len(cells)} cells"
+                      for k, v in sorted(_wins(cells).items(), key=lambda kv: -kv[1]))
+    bp, bl = s["by_prompt"], s["by_link"]
+    if bp["crossover_prompt_len"] is None:
+        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][0])} wins at every prompt "
+                  f"length from {bp['prompt_lens'][0]} to {bp['prompt_lens'][-1]} (no crossover)")
+    else:
+        k = bp["prompt_lens"].index(bp["crossover_prompt_len"])
+        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][k - 1])} wins below "
+                  f"{bp['crossover_prompt_len']} prompt tokens and {name(bp['winners'][k])} from there")
+    if bl["crossover_link_bw"] is not None:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins only above "
+                f"{num(bl['crossover_link_bw'] / 1e9)} GB/s: at or below it the KV transfer eats the gain")
+    elif "disaggregated" in bl["winners"]:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins at every link bandwidth tried "
+                f"({num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s)")
+    else:
+        link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins at no link bandwidth from "
+                f"{num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s")
+    slo = s["slo"]
+    return (f"- **{slo_name} SLO** (TTFT {num(slo['ttft_ms'])} ms, TPOT {num(slo['tpot_ms'])} ms): {share}; "
+            f"{prompt}; {link}{_link_saving(est['crossover_prompt_len'], s.get('least_link_bw'))}.")
+
+
+def _answer(de: dict) -> str:
+    by = de["simulated"]["by_slo"]
+    counts = {k: sum(c["winner"] == "disaggregated" for c in s["grid"]) for k, s in by.items()}
+    total = {k: len(s["grid"]) for k, s in by.items()}
+    where = "; ".join(f"under the {k} SLO in {counts[k]} of {total[k]} cells" for k in by)
+    most = max(counts, key=counts.get)
+    if len(set(counts.values())) > 1:
+        tpot = by[most]["slo"]["tpot_ms"]
+        tighter = all(tpot <= s["slo"]["tpot_ms"] for s in by.values())
+        why_text = (f" It wins most under the {most} SLO, " +
+                    ("the tightest TPOT target: there a colocated step has the least room for prompt work beside "
+                     "its decodes." if tighter else "which is not the tightest TPOT target."))
+    else:
+        why_text = " The SLOs make no difference to how often it wins."
+    measured = de["measured"]
+    wins = [c for c in measured if c["winner"] not in ("tie", "colocated-prefill_first", "colocated-chunked")]
+    ties = [c for c in measured if c["winner"] == "tie"]
+    here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
+            "significant winner." if measured else " Nothing was measured here in this run.")
+    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}"

@@ -1,0 +1,87 @@
+"""A point's metrics.json from its repeats' directories (`rep0/`, `rep1/`, ...), from the files alone.
+
+Each repeat directory is a full run of the point (config.yaml, requests.jsonl, steps.jsonl, metrics.json,
+or error.json when it crashed). The point's metrics.json holds the median of every number over the
+repeats that completed, each headline metric's repeat values and 95% interval (experiments/serving/confidence.py),
+the machine's load over all repeats, and which repeats failed. A point none of whose repeats completed
+gets error.json instead. experiments.run writes these after the last round; experiments.report calls
+`aggregate` itself for a point directory that has repeats but no metrics.json (a run cut short).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from experiments.serving.confidence import across_repeats, replicates
+from experiments.serving.machine import combine
+
+REPEAT = re.compile(r"^rep(\d+)$")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The file's JSON objects; [] when missing or empty. Unparsable lines (a cut-off last line) are skipped."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def repeat_dirs(point_dir: Path, limit: int | None = None) -> list[tuple[int, Path]]:
+    """(index, directory) of the point's repeats, in order; only indices below `limit` when given."""
+    found = []
+    for d in point_dir.iterdir() if point_dir.is_dir() else []:
+        m = REPEAT.match(d.name)
+        if m and d.is_dir() and (limit is None or int(m.group(1)) < limit):
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def aggregate(point_dir: Path, limit: int | None = None) -> dict | None:
+    """The point's metrics.json (or, when no repeat completed, its error.json) as a dict; None without repeats."""
+    done, failed = [], []
+    for index, d in repeat_dirs(point_dir, limit):
+        metrics = _read(d / "metrics.json")
+        if metrics is not None and "num_submitted" in metrics:
+            done.append((index, d, metrics))
+        elif (d / "error.json").is_file() or (d / "metrics.json").is_file():
+            err = _read(d / "error.json") or {"error": f"unreadable {d.name}/metrics.json"}
+            failed.append({"dir": d.name, "error": err.get("error"), "point": err.get("point")})
+    if not done and not failed:
+        return None
+    summary = {"num_ok": len(done), "num_failed": len(failed), "dirs": [d.name for _, d, _ in done],
+               "failed": [{"dir": f["dir"], "error": f["error"]} for f in failed]}
+    if not done:
+        first = failed[0]
+        return {"error": first["error"], "traceback": "", "point": first["point"] or {}, "repeats": summary}
+    reps = [replicates(read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"), m, i) for i, d, m in done]
+    out = across_repeats([m for _, _, m in done], reps)
+    out.pop("repeat", None)
+    out["point"] = done[0][2].get("point", {})
+    out["machine"] = combine([m.get("machine") or {} for _, _, m in done])
+    out["repeats"] = summary
+    return out
+
+
+def write(point_dir: Path, limit: int | None = None) -> dict | None:
+    """aggregate() written as the point's metrics.json or error.json (the other removed)."""
+    result = aggregate(point_dir, limit)
+    if result is None:
+        return None
+    name, other = ("error.json", "metrics.json") if "error" in result else ("metrics.json", "error.json")
+    (point_dir / other).unlink(missing_ok=True)
+    (point_dir / name).write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,178 @@
+"""backend=sim: any experiments.run point simulated instead of served, into the same files.
+
+`sim_config` turns a RunSpec into the simulated cluster: the layout's roles, each role's EngineConfig
+exactly as a real run builds it, and each worker's KV pool sized as the real engine sizes it (on a
+CPU from scheduler.kv_cache_mb or num_kv_blocks; on a GPU from its memory less weights and
+activations, workers/kv_cache.py's rule). `costs_for` reads the `hardware` group: `measured` (or
+hardware.profile) simulates with a profile of a device (experiments/analysis/profile.py), a datasheet
+GPU with the roofline model. `simulate_repeat` writes a repeat's requests.jsonl, steps.jsonl and
+metrics.json as experiments/serving/serve.py's serve_repeat does, plus `simulated` in metrics.json
+(what the costs came from, events, wall time). A simulation is deterministic: a point is simulated
+once (rep0) whatever `repeats` says, so its intervals are within-run ones, over requests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from experiments.analysis.roofline import HARDWARE
+from experiments.config import ConfigError, RunSpec
+from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
+from experiments.serving.metrics import summarize
+from experiments.serving.steps import step_ratio
+from experiments.sim.costs import Costs, from_profile, from_roofline
+from experiments.sim.records import request_row, step_rows
+from experiments.sim.simulator import SimConfig, Simulator
+from workers.config import from_hf_config, preset
+
+# Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
+HBM_BYTES = {"a100": 80e9, "h100": 80e9, "h200": 141e9}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_CI_GAPS = 200_000       # within-run bootstrap only up to this many ITL gaps (1,000 resamples of each)
+
+
+def model_config(spec: RunSpec):
+    m = spec.model
+    return from_hf_config(f"{m.checkpoint}/config.json") if m.checkpoint else preset(m.model)
+
+
+def on_gpu(spec: RunSpec) -> bool:
+    """A datasheet GPU is simulated as a GPU; a profile as the device it was measured on."""
+    return spec.hardware.name in HARDWARE
+
+
+def dtype_bytes(spec: RunSpec, costs: Costs | None = None) -> int:
+    dtype = spec.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu(spec) else ((costs.detail if costs else {}).get("dtype") or "float32")
+    return DTYPE_BYTES[dtype]
+
+
+def num_blocks(spec: RunSpec, role: str, nbytes: int) -> int:
+    """The KV pool of one worker, in blocks, sized as workers/kv_cache.num_blocks_for sizes it."""
+    e = spec.engines()[role]
+    if e.num_kv_blocks is not None:
+        return e.num_kv_blocks
+    mcfg = model_config(spec)
+    block = mcfg.kv_bytes_per_token(nbytes) * e.block_size
+    if on_gpu(spec):
+        from workers.kv_cache import activation_bytes
+
+        hbm = spec.hardware.hbm_gb * 1e9 if spec.hardware.hbm_gb else HBM_BYTES[spec.hardware.name]
+        free = hbm - mcfg.num_params() * nbytes
+        budget = int(free - (1 - e.gpu_memory_utilization) * hbm - activation_bytes(mcfg, e.token_budget, nbytes))
+    else:
+        budget = e.kv_cache_bytes
+    n = budget // block - 1
+    if n < 1:
+        raise ConfigError(f"model={mcfg.name} leaves no room for a KV cache on {spec.hardware.name} "
+                          f"({budget} bytes for KV, one block needs {block})")
+    return int(n)
+
+
+def sim_config(spec: RunSpec, nbytes: int, record_steps: bool = True, keep_tokens: bool = True,
+               fast_forward: bool = True) -> SimConfig:
+    mcfg = model_config(spec)
+    roles = spec.cluster.roles
+    engines = spec.engines()
+    blocks = {role: num_blocks(spec, role, nbytes) for role in set(roles)}
+    return SimConfig(roles, {r: engines[r] for r in set(roles)}, blocks, mcfg.kv_bytes_per_token(nbytes),
+                     mcfg.num_layers, spec.max_model_len, spec.router, spec.transfer, spec.fault,
+                     spec.cluster.placement, spec.hardware.gpus_per_node if on_gpu(spec) else 0,
+                     getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens,
+                     seed=spec.seed)
+
+
+def worker_threads(spec: RunSpec) -> int:
+    """Torch threads a real run's workers get here (cluster/pool.py's rule)."""
+    c = spec.cluster
+    return c.torch_threads or max(1, (c.num_cpus or os.cpu_count() or 1) // c.num_workers)
+
+
+def profile_for(spec: RunSpec) -> Path:
+    from experiments.analysis.profile import profile_path
+
+    if spec.hardware.profile:
+        return Path(spec.hardware.profile)
+    mcfg = model_config(spec)
+    dtype = spec.model.dtype if spec.model.dtype != "auto" else "float32"
+    path = profile_path(mcfg.name, dtype, worker_threads(spec))
+    if not path.is_file():
+        raise ConfigError(f"hardware=measured: no profile of this machine at {path}; make one with "
+                          f"python -m experiments.profile model={mcfg.name} threads={worker_threads(spec)}, or give "
+                          "hardware.profile=FILE or a datasheet GPU (hardware=h200)")
+    return path
+
+
+def costs_for(spec: RunSpec, serving: dict | None = None) -> Costs:
+    """The costs of the `hardware` group; `serving`: a profile's calibration from another run."""
+    hw = spec.hardware
+    if hw.name in HARDWARE:
+        base = HARDWARE[hw.name]
+        base = replace(base, **{k: v for k, v in (("peak_flops", hw.peak_flops), ("mem_bw", hw.mem_bw)) if v})
+        over = {"compute_eff": hw.compute_eff, "mem_eff": hw.mem_eff,
+                "overhead_s": hw.step_overhead_ms / 1e3 if hw.step_overhead_ms is not None else None}
+        return from_roofline(model_config(spec), base, dtype_bytes(spec), hw.link_bw, **over)
+    if hw.name != "measured":
+        raise ConfigError(f"hardware.name={hw.name!r}: choose measured or one of {sorted(HARDWARE)}")
+    return from_profile(profile_for(spec), spec.transfer.backend, serving=serving)
+
+
+def simulate(spec: RunSpec, arrivals, costs: Costs | None = None, record_steps: bool = True,
+             keep_tokens: bool = True, fast_forward: bool = True, noise_seed: int | None = None) -> Simulator:
+    """Run the simulator over `arrivals` (WorkloadRequests, or objects with id, arrival_s, prompt_len,
+    max_tokens); returns it, its records and workers' step logs filled. Noise draws are seeded by
+    `noise_seed` (default: the run's seed)."""
+    costs = costs or costs_for(spec)
+    cfg = sim_config(spec, dtype_bytes(spec, costs), record_steps, keep_tokens, fast_forward)
+    if noise_seed is not None:
+        cfg.seed = noise_seed
+    sim = Simulator(cfg, costs)
+    sim.run(arrivals)
+    return sim
+
+
+def outputs(sim: Simulator) -> tuple[list[dict], list[dict]]:
+    rows = [request_row(rec) for rec in sim.records.values()]
+    steps = [row for w in sim.workers for row in step_rows(w.name, w.log)]
+    return rows, steps
+
+
+def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: int, wall_s: float) -> dict:
+    """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (FORMATS.md)."""
+    from experiments.serving.serve import write_jsonl
+
+    rows, steps = outputs(sim)
+    write_jsonl(out / "requests.jsonl", rows)
+    write_jsonl(out / "steps.jsonl", steps)
+    metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
+    metrics["step_ratio"] = step_ratio(steps)
+    num_gaps = sum(len(r["itl_s"]) for r in rows)
+    if num_gaps <= MAX_CI_GAPS:
+        metrics["ci"] = within_run_ci(replicates(rows, steps, metrics, repeat), metrics)
+        metrics["ci_method"] = METHOD_WITHIN
+    else:
+        metrics["ci"] = {}
+        metrics["ci_method"] = f"none: {num_gaps} ITL gaps, more than the {MAX_CI_GAPS} resampled within a run"
+    metrics["ci_level"] = 0.95
+    metrics["machine"] = {}
+    metrics["repeat"], metrics["point"] = repeat, ident | {"backend": "sim", "costs": sim.costs.source}
+    metrics["simulated"] = {"costs": sim.costs.source, "detail": sim.costs.detail, "num_events": sim.num_events,
+                            "wall_s": wall_s, "notes": sim.notes}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
+    return metrics
+
+
+def simulate_repeat(p, repeat: int, out: Path) -> dict:
+    """experiments.serving.serve.serve_repeat's counterpart: one repeat of a prepared point, simulated."""
+    spec = p.spec
+    costs = costs_for(spec)
+    started = time.perf_counter()
+    sim = simulate(spec, p.requests, costs)
+    ident = dict(p.ident)
+    ident["device"] = spec.hardware.name if on_gpu(spec) else (costs.detail.get("hardware") or "profile")
+    ident["label"] = f"{ident['label']} [sim]"
+    return write_repeat(out, spec, ident, sim, repeat, time.perf_counter() - started)

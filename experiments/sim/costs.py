@@ -1,0 +1,94 @@
+"""What things cost on the simulated machine: steps, KV transfers, exports and imports, messages.
+
+`Costs` gathers a step-time model (experiments/sim/stepmodel.py), the transfer model of each kind of
+link, the host time a prefill worker spends exporting a request's KV and a decode worker importing it,
+and the latency of the router's messages: `dispatch_s` from the router's submit to the worker's inbox,
+`return_s` from a worker's step end to the router stamping its tokens. `source` says where the numbers
+come from ("profile <file>" or "roofline <hardware>"), and every simulated run records it.
+
+`from_profile` reads a profile of the device at hand (experiments/analysis/profile.py writes it);
+`from_roofline` builds datasheet costs for a GPU: step times from the roofline model, transfers over
+NVLink within a node and the NIC between nodes, export and import as device copies at the memory
+efficiency, and messages at an assumed 0.5 ms each way (Ray calls on the host; not measured on a GPU).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.sim.stepmodel import check_finite, model_from_dict, roofline_model
+from experiments.sim.transfer import TransferModel
+from workers.config import ModelConfig
+
+MESSAGE_S = 0.5e-3        # router <-> worker message latency on a GPU cluster: an assumption (see above)
+GPU_LINK_LATENCY_S = 20e-6  # NVLink / RDMA per-transfer latency: an assumption
+
+
+@dataclass
+class Costs:
+    step: object                                   # LinearStepModel | RooflineStepModel
+    transfer: dict[str, TransferModel]             # by link kind: "local" (one host), "node", "network"
+    dispatch_s: float = 0.0
+    return_s: float = 0.0
+    export: tuple = (0.0, 0.0)                     # host seconds: fixed + per byte
+    import_: tuple = (0.0, 0.0)
+    source: str = "hand-made"
+    detail: dict = field(default_factory=dict)     # the profile's conditions (machine load, fit errors)
+    noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
+    role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
+
+    def step_for(self, role: str):
+        return self.role_step.get(role, self.step)
+
+    def export_s(self, nbytes: int) -> float:
+        return self.export[0] + self.export[1] * nbytes
+
+    def import_s(self, nbytes: int) -> float:
+        return self.import_[0] + self.import_[1] * nbytes
+
+    def link(self, kind: str) -> TransferModel:
+        return self.transfer.get(kind) or self.transfer["local"]
+
+
+def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True,
+                 serving: dict | None = None) -> Costs:
+    """Costs of the machine a profile was measured on, with the transfer model of `backend`;
+    `calibrated=False` leaves out the serving calibration (steps as measured in isolation); `serving`
+    replaces the profile's calibration (experiments/analysis/calibrate.py of another run)."""
+    path = Path(path)
+    prof = json.loads(path.read_text())
+    if prof.get("kind") != "pdlab-profile":
+        raise ValueError(f"{path}: not a pdlab profile (no kind: pdlab-profile)")
+    step = dict(prof["step_model"])
+    serving = (serving or prof.get("serving", {})) if calibrated else {}
+    if serving:
+        step["slowdown"] = serving.get("slowdown")
+        step["gap_coef"] = [serving.get("gap_s", step["gap_coef"][0]), step["gap_coef"][1]]
+    model = model_from_dict(step)
+    check_finite(model)
+    transfers = prof.get("transfer", {})
+    t = transfers.get(backend) or next(iter(transfers.values()), None)
+    if t is None:
+        raise ValueError(f"{path}: the profile has no transfer model")
+    link = TransferModel(t["latency_s"], t["bandwidth"], f"{backend} (profile)")
+    handoff = prof.get("handoff", {})
+    return Costs(model, {"local": link}, serving.get("dispatch_s", 0.0), serving.get("return_s", 0.0),
+                 tuple(handoff.get("export", (0.0, 0.0))), tuple(handoff.get("import", (0.0, 0.0))),
+                 f"profile {path.parent.name}/{path.name}" + ("" if serving else " (uncalibrated)"),
+                 {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
+                  "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
+                  "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores")},
+                 serving.get("noise"))
+
+
+def from_roofline(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | None = None,
+                  **efficiency) -> Costs:
+    """Datasheet costs of a GPU (a name in analysis.roofline.HARDWARE or a Hardware)."""
+    step = roofline_model(cfg, hardware, dtype_bytes, **efficiency)
+    hw = step.hw
+    copy = 2.0 / (hw.mem_bw * step.mem_eff)       # read and write once per byte
+    node = TransferModel(GPU_LINK_LATENCY_S, hw.nvlink_bw or hw.pcie_bw, f"NVLink {hw.name}")
+    net = TransferModel(GPU_LINK_LATENCY_S, link_bw or hw.net_bw, f"network {hw.name}")
+    return Costs(step, {"local": node, "node": node, "network": net}, MESSAGE_S, MESSAGE_S, (10e-6, copy),
+                 (10e-6, copy), f"roofline {hw.name}", {"step_model": step.to_dict()})

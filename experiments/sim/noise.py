@@ -1,0 +1,67 @@
+"""Serving noise: seeded draws from the distributions a profile's calibration run measured.
+
+On a machine shared with other work, a step's time varies from step to step, and so do the host gap
+between steps and the latency of the router's messages; tails (ITL p99, TPOT p90) are made of that
+variation. A calibrated profile keeps, for each, its quantiles (101 values, 0% to 100%): a step's
+measured / predicted time (decode-only and prefill steps apart, each normalised to median 1, so the
+median step is the model's), the busy host gap, the return latency (step end to the router) and the
+dispatch latency. `Noise` draws from them by inverse transform, with its own seeded generator, so a
+simulation is deterministic for a seed. Without tables (a datasheet GPU, or noise=false) every draw
+is the table-free value: factor 1, the model's gap, the Costs' latencies.
+
+The router receives a worker's steps in order (one poll stream per worker), so a token's arrival is
+never before the previous step's (`Noise.deliver`): a late message delays the steps behind it, which
+then arrive together, as they do in a real run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+KINDS = ("decode", "prefill", "gap", "return", "dispatch")
+
+
+class Noise:
+    def __init__(self, tables: dict | None, seed: int = 0):
+        self.tables = {k: [float(x) for x in v] for k, v in (tables or {}).items() if k in KINDS and v}
+        self._arrays = {k: np.asarray(v) for k, v in self.tables.items()}
+        self.rng = np.random.default_rng([seed, 0x5EED])
+        self.on = bool(self.tables)
+
+    def _one(self, kind: str) -> float | None:
+        q = self.tables.get(kind)
+        if q is None:
+            return None
+        x = self.rng.random() * (len(q) - 1)
+        i = int(x)
+        return q[i] if i >= len(q) - 1 else q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def _many(self, kind: str, n: int) -> np.ndarray | None:
+        q = self._arrays.get(kind)
+        if q is None:
+            return None
+        return np.interp(self.rng.random(n) * (len(q) - 1), np.arange(len(q)), q)
+
+    def factor(self, kind: str) -> float:
+        f = self._one(kind)
+        return 1.0 if f is None else f
+
+    def factors(self, kind: str, n: int) -> np.ndarray | float:
+        f = self._many(kind, n)
+        return 1.0 if f is None else f
+
+    def latency(self, kind: str, default: float) -> float:
+        x = self._one(kind)
+        return default if x is None else x
+
+    def latencies(self, kind: str, default: float, n: int) -> np.ndarray | float:
+        x = self._many(kind, n)
+        return default if x is None else x
+
+
+def quantiles(values, normalise: bool = False) -> list[float]:
+    """101 quantiles (0%..100%) of `values`; divided by their median when `normalise`."""
+    a = np.asarray(list(values), dtype=float)
+    q = np.percentile(a, np.arange(101))
+    if normalise:
+        q = q / np.median(a)
+    return [float(x) for x in q]

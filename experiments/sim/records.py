@@ -1,0 +1,165 @@
+"""The simulated router's records, and the files a run writes from them (experiments/FORMATS.md).
+
+`Record` mirrors router/records.py's RequestRecord (the fields requests.jsonl shows), with the token
+times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
+times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it reached the router
+(`client_*`); the simulated router's clock is the workers' clock;
+`Attempt` mirrors router/router.py's Attempt. `request_row` writes a row exactly as
+experiments/serving/serve.py's request_row does; `step_rows` expands every worker's steps, decode runs
+included, into steps.jsonl rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from experiments.serving.metrics import percentiles
+
+
+@dataclass(eq=False)
+class Record:
+    id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_s: float
+    times: list = field(default_factory=list)      # when each token was made: floats and arrays, in order
+    client: list = field(default_factory=list)     # when each reached the router, likewise
+    num_out: int = 0
+    first_time: float | None = None
+    last_time: float | None = None
+    status: str = "pending"
+    end_time: float | None = None
+    reason: str | None = None
+    finish_reason: str | None = None
+    attempts: int = 0
+    crashes: int = 0
+    injected_fault: bool = False
+    note: str | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    transfer_s: float | None = None
+    transfer_bytes: int = 0
+    handoff_s: float | None = None
+    decode_s: float | None = None
+    prefill_end: float | None = None               # the step that made the first token ended
+    kv_arrived: float | None = None                # the last KV byte reached the decode worker
+
+    @property
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    def add_times(self, t, at, n: int) -> None:
+        """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""
+        if n == 0:
+            return
+        if self.keep:
+            self.times.append(t)
+            self.client.append(at)
+        first = t if isinstance(t, float) else float(t[0])
+        if self.first_time is None:
+            self.first_time = first
+        self.last_time = t if isinstance(t, float) else float(t[-1])
+        self.num_out += n
+
+    keep = True                                    # a class default; the planner switches it off
+
+    def token_times(self) -> np.ndarray:
+        return _joined(self.times)
+
+    def client_times(self) -> np.ndarray:
+        return _joined(self.client)
+
+
+def _joined(times: list) -> np.ndarray:
+    parts = [np.atleast_1d(np.asarray(t, dtype=float)) for t in times]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+@dataclass(eq=False)
+class Attempt:
+    rec: Record
+    kind: str                      # colocated | local | handoff | whole
+    prefill: object                # SimWorker computing the prompt
+    decode: object                 # SimWorker making the rest
+    prompt_len: int                # prompt + tokens streamed before this attempt
+    left: int                      # tokens this attempt is asked for
+    submitted_at: float
+    preq: object = None            # SimRequest on the prefill worker
+    dreq: object = None            # SimRequest on the decode worker (handoff)
+    handoff_at: float | None = None
+    first_token_worker_time: float | None = None
+    decode_start: float | None = None
+    sent: bool = False
+    imported: bool = False
+    num_tokens: int = 0
+    nbytes: int = 0
+    live: bool = True
+    drop_transfer: bool = False
+
+    @property
+    def phase(self) -> str:
+        if self.handoff_at is None:
+            return "prefill"
+        return "transfer" if self.kind == "handoff" and not self.imported else "decode"
+
+
+def request_row(rec: Record, t0: float = 0.0) -> dict:
+    """One requests.jsonl row, as experiments.serving.serve.request_row writes it (output_ids are
+    not simulated: a list of zeros of the output's length)."""
+    times = rec.token_times()
+    n = len(times)
+    itl = np.diff(times).tolist() if n >= 2 else []
+    ttft = float(times[0] - rec.arrival_s) if n else None
+    e2e = float(times[-1] - rec.arrival_s) if n else None
+    client = rec.client_times()
+    itl_ms = None
+    if itl:
+        q = percentiles([1e3 * x for x in itl])
+        itl_ms = {"mean": q["mean"], "p50": q["p50"], "p99": q["p99"], "max": 1e3 * max(itl)}
+    return {
+        "id": rec.id, "prompt_len": rec.prompt_len, "output_len": n, "output_ids": [0] * n,
+        "max_tokens": rec.max_tokens, "arrival_s": rec.arrival_s - t0,
+        "end_s": None if rec.end_time is None else rec.end_time - t0,
+        "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
+        "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
+        "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
+        "client_ttft_s": float(client[0] - rec.arrival_s) if len(client) else None,
+        "client_e2e_s": float(client[-1] - rec.arrival_s) if len(client) else None,
+        "client_itl_s": np.diff(client).tolist() if len(client) >= 2 else [],
+        "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
+        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
+        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
+                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
+        "queue_s": rec.queue_s,
+        "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
+        "note": rec.note,
+    }
+
+
+def step_rows(worker: str, log: list):
+    """steps.jsonl rows of one worker from its step log: tuples for scheduled steps, dicts of arrays
+    for decode runs (experiments/sim/engine.py's run_steps)."""
+    index = 0
+    for entry in log:
+        if isinstance(entry, tuple):
+            start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted = entry
+            yield _row(worker, index, start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted)
+            index += 1
+            continue
+        b, waiting = entry["b"], entry["waiting"]
+        starts, ends, used = entry["start"].tolist(), entry["end"].tolist(), entry["used"].tolist()
+        last = len(starts) - 1
+        for i, (s, e, u) in enumerate(zip(starts, ends, used)):
+            running = entry["running_last"] if i == last else b
+            yield _row(worker, index, s, e, 0, 0, b, int(u), running, waiting, 0)
+            index += 1
+
+
+def _row(worker, index, start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted) -> dict:
+    return {"worker": worker, "step": index, "num_prefill_tokens": p_tok, "num_prefill_seqs": p_seqs,
+            "num_decode_seqs": d_seqs, "num_tokens": p_tok + d_seqs, "num_blocks_used": used,
+            "num_running": running, "num_waiting": waiting, "num_preempted": preempted,
+            "prepare_s": 0.0, "forward_s": end - start, "sample_s": 0.0, "start_s": start, "end_s": end}

@@ -1,0 +1,504 @@
+"""The discrete-event simulator: a virtual clock, a SimWorker per GPU, the router's own rules.
+
+Events sit in a heap ordered by (time, sequence number); each is a handler and its arguments. The
+router side follows router/router.py: admission by workers/request.py's limits and
+router/placement.never_fits, placement by router/placement.plan with router/policies.py's classes
+over loads kept as the router keeps them (outstanding prompt tokens, running requests, KV tokens),
+retries of a request whose worker died or whose KV transfer was lost (its prompt plus the tokens
+already streamed, up to router.max_retries; two crashes and it fails), request timeouts. Faults:
+fault.kill_worker at fault.kill_after_s, fault.timeout_transfer_of (that handoff's KV is never
+sent; the router retries it after transfer.timeout_s).
+
+Token times are as router/records.py keeps them: when the step that made a token ended (the
+simulated workers share the router's clock), and when it reached the router (`client_*`, `return_s`
+later, never before the worker's previous step).
+
+Simplifications, each small next to a step: the router's load counters change when a worker's step
+ends, not `return_s` later when its tokens reach the router; KV
+tokens of a decode run in flight count as the run's steps end; a streamed prefill pays no export
+time after its step (its parts were exported while it ran).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.transfer.base import TransferConfig
+from experiments.sim.costs import Costs
+from experiments.sim.engine import SimEngine, sim_request
+from experiments.sim.noise import Noise
+from experiments.sim.records import Attempt, Record
+from experiments.sim.transfer import STREAMS, Links
+from experiments.sim.worker import Handle, SimWorker
+from router.config import FaultConfig, RouterConfig
+from router.placement import never_fits, plan
+from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
+from workers.config import EngineConfig, blocks_for
+
+MAX_CRASHES = 2
+
+
+@dataclass
+class SimConfig:
+    """The cluster to simulate: one role per GPU, each role's engine config and KV pool."""
+
+    roles: list[str]
+    engines: dict[str, EngineConfig]
+    num_blocks: dict[str, int]
+    kv_bytes_per_token: int
+    num_layers: int
+    max_model_len: int
+    router: RouterConfig = field(default_factory=RouterConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    placement: str = "pack"
+    gpus_per_node: int = 0                # 0: every worker on one host (a local run)
+    stream: str = "off"                   # KV streaming: off | layer | chunk
+    fast_forward: bool = True             # advance runs of decode-only steps in one event
+    record_steps: bool = True
+    keep_tokens: bool = True              # every token's time (requests.jsonl); False: first, last, count
+    noise: bool = True                    # draw serving noise from the costs' tables (when they have them)
+    seed: int = 0                         # of the noise draws
+
+    def __post_init__(self):
+        if self.stream not in STREAMS:
+            raise ValueError(f"stream={self.stream!r}: choose one of {list(STREAMS)}")
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if "colocated" in self.roles else "disaggregated"
+
+
+@dataclass
+class Arrival:
+    id: str
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, costs: Costs):
+        self.cfg, self.costs = cfg, costs
+        self.mode = cfg.mode
+        self.heap: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed)
+        counts: dict[str, int] = {}
+        self.workers: list[SimWorker] = []
+        nodes = _nodes(cfg.roles, cfg.gpus_per_node, cfg.placement)
+        for rank, role in enumerate(cfg.roles):
+            index = counts.get(role, 0)
+            counts[role] = index + 1
+            ecfg, blocks = cfg.engines[role], cfg.num_blocks[role]
+            info = {"num_kv_blocks": blocks, "block_size": ecfg.block_size, "host": f"node{nodes[rank]}",
+                    "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
+                    "max_model_len": cfg.max_model_len}
+            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
+            self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
+        self.handles = [w.handle for w in self.workers]
+        self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
+                      for w in self.workers}
+        self.prefill_policy = PREFILL_POLICIES[cfg.router.prefill_policy]()
+        self.decode_policy = DECODE_POLICIES[cfg.router.decode_policy]()
+        self.pack = cfg.placement in ("pack", "strict_pack")
+        self.links = Links()
+        self.in_run: set[SimWorker] = set()       # workers with a decode run in flight
+        self.records: dict[str, Record] = {}
+        self.attempts: dict[int, Attempt] = {}
+        self._num_attempts = self._num_handoffs = 0
+        self.notes: list[str] = []
+        self.num_events = 0
+        Record.keep = cfg.keep_tokens
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def push(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.heap, (t, next(self._seq), fn, args))
+
+    def run(self, arrivals) -> list[Record]:
+        """Serve `arrivals` (objects with id, arrival_s, prompt_len or prompt_ids, max_tokens) to the end."""
+        recs = []
+        for a in arrivals:
+            n = getattr(a, "prompt_len", None) or getattr(a, "num_prompt_tokens", None) or len(a.prompt_ids)
+            rec = Record(str(a.id), n, a.max_tokens, float(a.arrival_s))
+            if rec.id in self.records:
+                raise ValueError(f"request id {rec.id!r} is used twice")
+            self.records[rec.id] = rec
+            recs.append(rec)
+        recs.sort(key=lambda r: r.arrival_s)           # stable: equal times keep their order
+        self._pending = iter(recs)                     # each arrival queues the next: the heap holds one
+        self._next_arrival()
+        f = self.cfg.fault
+        if f.kill_worker:
+            role, _, index = f.kill_worker.partition(":")
+            victim = next((w for w in self.workers if w.handle.role == role and w.handle.index == int(index)), None)
+            if victim is None:
+                raise ValueError(f"fault.kill_worker={f.kill_worker}: no such worker in this layout")
+            self.push(f.kill_after_s, self._kill, victim)
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            fn(*args)
+            self.num_events += 1
+        return list(self.records.values())
+
+    # -- router: admission, dispatch, endings -------------------------------------------------------
+    def _next_arrival(self) -> None:
+        rec = next(self._pending, None)
+        if rec is not None:
+            self.push(rec.arrival_s, self._arrive, rec)
+
+    def _arrive(self, rec: Record) -> None:
+        self._next_arrival()
+        self.push(rec.arrival_s + self.cfg.router.request_timeout_s, self._timeout, rec)
+        n, mt, limit = rec.prompt_len, rec.max_tokens, self.cfg.max_model_len
+        why = None
+        if n < 1 or mt < 1:
+            why = f"prompt ({n}) and max_tokens ({mt}) must be >= 1"
+        elif n + mt > limit:
+            why = f"prompt ({n}) + max_tokens ({mt}) exceeds max_model_len={limit}"
+        else:
+            t = self.cfg.transfer
+            fits = never_fits(self.mode, self.handles, n, mt, self.cfg.router.conditional_threshold,
+                              t.max_frame_bytes, t.max_pending_bytes)
+            why = None if fits is None else f"can never fit: {fits}"
+        if why is not None:
+            return self._fail(rec, f"rejected: {why}")
+        self._dispatch(rec)
+
+    def _dispatch(self, rec: Record) -> None:
+        n, left = rec.prompt_len + rec.num_out, rec.max_tokens - rec.num_out
+        if self.mode == "disaggregated":
+            self._refresh_kv()
+        chosen = plan(self.mode, self.handles, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
+                      self.cfg.router.conditional_threshold, self.pack)
+        if isinstance(chosen, str):
+            return self._fail(rec, chosen)
+        if chosen.note:
+            rec.note = chosen.note
+            if chosen.note not in self.notes:
+                self.notes.append(chosen.note)
+        p, d = self.workers[chosen.prefill.rank], self.workers[chosen.decode.rank]
+        rec.attempts += 1
+        self._num_attempts += 1
+        att = Attempt(rec, chosen.kind, p, d, n, left, self.now)
+        self.attempts[id(att)] = att
+        rec.prefill_worker, rec.decode_worker = p.name, d.name
+        self.loads[p.rank].prompt_tokens += n
+        self.loads[d.rank].running += 1
+        self.loads[d.rank].kv_tokens += n
+        if att.kind == "handoff":
+            self._num_handoffs += 1
+            att.drop_transfer = rec.attempts == 1 and self._num_handoffs == self.cfg.fault.timeout_transfer_of
+            att.nbytes = self.cfg.kv_bytes_per_token * n
+            rec.injected_fault = rec.injected_fault or att.drop_transfer
+        att.preq = sim_request(f"{rec.id}#{rec.attempts}", n, left, self.now, hand_off=att.kind == "handoff")
+        att.preq.attempt = att
+        self.push(self.now + self.noise.latency("dispatch", self.costs.dispatch_s), self._deliver, p,
+                  ("submit", att.preq))
+
+    def _refresh_kv(self) -> None:
+        """Count the KV tokens of decode runs in flight, as far as their steps have reached the router."""
+        seen = self.now - self.costs.return_s
+        for w in self.in_run:
+            if w.run is not None:
+                dyn = len(w.run.reqs) * w.steps_ended_by(seen)
+                self.loads[w.rank].kv_tokens += dyn - w.run_tokens
+                w.run_tokens = dyn
+
+    def _drop(self, att: Attempt, abort: bool = True) -> None:
+        if not att.live:
+            return
+        att.live = False
+        self.attempts.pop(id(att), None)
+        if att.phase == "prefill":
+            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
+        load = self.loads[att.decode.rank]
+        load.running -= 1
+        load.kv_tokens -= att.prompt_len + att.num_tokens
+        if abort:
+            for w, req in ((att.prefill, att.preq), (att.decode, att.dreq)):
+                if req is not None and w.alive:
+                    self.push(self.now + self.costs.dispatch_s, self._deliver, w, ("abort", req))
+
+    def _finish(self, att: Attempt, reason: str) -> None:
+        self._drop(att, abort=False)
+        rec = att.rec
+        rec.status, rec.finish_reason, rec.end_time = "ok", reason, rec.last_time
+
+    def _fail(self, rec: Record, reason: str) -> None:
+        if rec.done:
+            return
+        rec.status, rec.reason, rec.end_time = "failed", reason, self.now
+
+    def _retry(self, att: Attempt, reason: str, crashed: bool = False) -> None:
+        if not att.live:
+            return
+        self._drop(att)
+        rec = att.rec
+        rec.crashes += crashed
+        if rec.crashes >= MAX_CRASHES:
+            return self._fail(rec, f"{reason}; not retried: it was on {rec.crashes} workers that died while serving "
+                                   "it, and may be what killed them")
+        if rec.attempts > self.cfg.router.max_retries:
+            return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
+                                   f"{self.cfg.router.max_retries})")
+        self._dispatch(rec)
+
+    def _timeout(self, rec: Record) -> None:
+        if rec.done:
+            return
+        for att in [a for a in self.attempts.values() if a.rec is rec]:
+            self._drop(att)
+        self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.router.request_timeout_s:g}")
+
+    def _on_token(self, req, reason, start_of_first: float | None, end: float, at: float) -> None:
+        """One token of `req` made in a step ending at `end` (worker clock), reaching the router at `at`."""
+        att = req.attempt
+        if att is None or not att.live:
+            return
+        rec = att.rec
+        rec.add_times(end, at, 1)
+        att.num_tokens += 1
+        self.loads[att.decode.rank].kv_tokens += 1
+        if att.handoff_at is None:
+            started = req.first_scheduled_time
+            rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
+            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
+            att.handoff_at, att.first_token_worker_time = at, end
+            if reason == "handoff":
+                rec.prefill_end = end
+            else:
+                att.decode_start = end
+        elif att.kind == "handoff" and att.decode_start is None:
+            att.decode_start = req.first_scheduled_time
+            rec.handoff_s = att.decode_start - att.first_token_worker_time
+        if reason == "length":
+            rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+            self._finish(att, reason)
+
+    # -- workers ------------------------------------------------------------------------------------
+    def _deliver(self, w: SimWorker, item: tuple) -> None:
+        if not w.alive:
+            return
+        w.inbox.append(item)
+        self._wake(w)
+
+    def _wake(self, w: SimWorker) -> None:
+        if w.state == "idle":
+            w.state = "start"
+            self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
+        elif w.state == "run":
+            m = w.engine.cut_after(w.run, self.now)
+            if m < w.run_steps:
+                w.run_steps = m
+                w.version += 1
+                self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
+
+    def _take_inbox(self, w: SimWorker) -> None:
+        e = w.engine
+        for kind, x in w.inbox:
+            if kind == "submit":
+                ecfg = e.cfg
+                total = x.prompt_len + 1 if x.hand_off else x.prompt_len + x.max_tokens
+                if blocks_for(total, ecfg.block_size) > e.blocks.num_blocks:
+                    self.push(self.now + self.costs.return_s, self._rejected, x.attempt, w,
+                              f"needs {blocks_for(total, ecfg.block_size)} KV blocks but this engine's pool has "
+                              f"{e.blocks.num_blocks}")
+                    continue
+                e.add(x)
+            elif kind == "abort":
+                if x.block_ids or x in e.scheduler.running or x in e.scheduler.waiting:
+                    e.remove(x)
+                w.arrivals = type(w.arrivals)(a for a in w.arrivals if a.dreq is not x)
+            else:                                   # "kv": an attempt whose KV is in
+                w.arrivals.append(x)
+        w.inbox.clear()
+
+    def _rejected(self, att: Attempt, w: SimWorker, reason: str) -> None:
+        if att.live:
+            self._drop(att)
+            self._fail(att.rec, f"rejected by {w.name}: {reason}")
+
+    def _step_start(self, w: SimWorker, version: int) -> None:
+        if version != w.version or not w.alive:
+            return
+        t = self.now
+        self._take_inbox(w)
+        e = w.engine
+        while w.arrivals and e.can_import(w.arrivals[0].prompt_len):
+            att = w.arrivals.popleft()
+            if not att.live:
+                continue
+            t += self.costs.import_s(att.nbytes)
+            e.add_imported(att.dreq)
+            att.imported = True
+        if not e.has_work():
+            w.state = "idle"
+            return
+        k = e.run_length()
+        if k >= 1:
+            run = e.start_run(t, k)
+            w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
+            self.in_run.add(w)
+            self.push(float(run.ends[-1]), self._run_end, w, w.version)
+            return
+        sched, d = e.schedule()
+        if not sched:
+            w.state = "idle"                        # nothing it can schedule until something changes
+            return
+        w.sched, w.step_start, w.state = sched, t, "step"
+        self.push(t + d, self._step_end, w, w.version)
+
+    def _step_end(self, w: SimWorker, version: int) -> None:
+        if version != w.version or not w.alive:
+            return
+        sched, start, end = w.sched, w.step_start, self.now
+        done = w.engine.finish(sched, start, end)
+        w.log_step(start, end, sched, len(done.preempted))
+        stream = self.cfg.stream != "off"
+        exports = []
+        t = end
+        last_chunk = {id(c.request): c.num_tokens for c in sched.prefills}
+        for req, reason in done.tokens:
+            if reason == "handoff":
+                if not stream:
+                    t += self.costs.export_s(req.attempt.nbytes)
+                exports.append((req, t, last_chunk.get(id(req), req.prompt_len)))
+        at = self._delivery(w, t)
+        for req, reason in done.tokens:
+            self._on_token(req, reason, start, end, at)
+        for req, ready, last in exports:
+            self._send_kv(w, req, ready, last)
+        w.sched = None
+        self._next(w, t, len(sched.decodes) + len(sched.prefills))
+
+    def _run_end(self, w: SimWorker, version: int) -> None:
+        if version != w.version or not w.alive:
+            return
+        run, m = w.run, w.run_steps
+        entry = w.log_run(run, m)
+        out = w.engine.apply_run(run, m)
+        if entry is not None:
+            entry["used"][-1] = w.engine.blocks.num_used
+            entry["running_last"] = len(w.engine.scheduler.running)
+        at = self._deliveries(w, run.ends[:m])
+        end = float(run.ends[m - 1])
+        b = len(run.reqs)
+        self.loads[w.rank].kv_tokens += b * m - w.run_tokens
+        w.run, w.run_tokens = None, 0
+        self.in_run.discard(w)
+        for req, reason in out:
+            att = req.attempt
+            if att is None or not att.live:
+                continue
+            att.rec.add_times(run.ends[:m], at, m)
+            att.num_tokens += m
+            if att.kind == "handoff" and att.decode_start is None:
+                att.decode_start = req.first_scheduled_time
+                att.rec.handoff_s = att.decode_start - att.first_token_worker_time
+            if reason == "length":
+                att.rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+                self._finish(att, reason)
+        self._next(w, end, b)
+
+    def _delivery(self, w: SimWorker, t: float) -> float:
+        """When the router gets a step that left the worker at `t`: after the return latency, and not
+        before the worker's previous step (one ordered stream per worker)."""
+        w.delivered = max(t + self.noise.latency("return", self.costs.return_s), w.delivered)
+        return w.delivered
+
+    def _deliveries(self, w: SimWorker, ends: np.ndarray) -> np.ndarray:
+        at = np.maximum.accumulate(np.maximum(ends + self.noise.latencies("return", self.costs.return_s, len(ends)),
+                                              w.delivered))
+        w.delivered = float(at[-1])
+        return at
+
+    def _next(self, w: SimWorker, t: float, num_seqs: int) -> None:
+        if w.engine.has_work() or w.inbox or w.arrivals:
+            w.state = "start"
+            self.push(t + w.engine.gap(num_seqs), self._step_start, w, w.version)
+        else:
+            w.state = "idle"
+
+    # -- KV transfer --------------------------------------------------------------------------------
+    def _send_kv(self, w: SimWorker, req, ready: float, last_chunk: int) -> None:
+        """Send a handed-off request's KV, complete at `ready`. Streamed, its parts go as they are final
+        from the prefill's first step on; the last one is final only when the prefill ends: a group of
+        transfer.stream_layers layers (layer) or the last prompt chunk, `last_chunk` tokens (chunk)."""
+        att = req.attempt
+        w.engine.release(req)
+        if att is None or not att.live:
+            return
+        rec = att.rec
+        timeout = self.cfg.transfer.timeout_s
+        if att.drop_transfer:                      # fault injection: this transfer never happens
+            self.push(att.handoff_at + timeout, self._transfer_check, att)
+            return
+        d = att.decode
+        kind = "local" if not self.cfg.gpus_per_node else ("node" if d.node == w.node else "network")
+        stream = self.cfg.stream
+        if stream == "layer":
+            last = min(1.0, self.cfg.transfer.stream_layers / self.cfg.num_layers)
+        else:
+            last = min(1.0, last_chunk / max(att.prompt_len, 1))
+        start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
+                                      req.first_scheduled_time if stream != "off" else None, last)
+        rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
+        att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
+        att.dreq.num_out, att.dreq.attempt = 1, att
+        self.push(done, self._kv_arrived, att)
+        if done - att.handoff_at > timeout:
+            self.push(att.handoff_at + timeout, self._transfer_check, att)
+
+    def _kv_arrived(self, att: Attempt) -> None:
+        if not att.live:
+            return
+        att.sent = True
+        att.rec.kv_arrived = self.now
+        self._deliver(att.decode, ("kv", att))
+
+    def _transfer_check(self, att: Attempt) -> None:
+        if att.live and att.phase == "transfer" and not att.sent:
+            self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
+                             f"{self.cfg.transfer.timeout_s:g} s (transfer.timeout_s)")
+
+    # -- faults -------------------------------------------------------------------------------------
+    def _kill(self, w: SimWorker) -> None:
+        w.handle.alive = False
+        w.version += 1
+        w.state, w.run, w.sched = "dead", None, None
+        self.in_run.discard(w)
+        w.inbox.clear()
+        self.push(self.now + self.costs.return_s, self._on_dead, w)
+
+    def _on_dead(self, w: SimWorker) -> None:
+        reason = f"worker {w.name} died (ActorDiedError)"
+        for att in list(self.attempts.values()):
+            lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
+            if att.decode is w or lost_prompt:
+                att.rec.injected_fault = True
+                self._retry(att, reason, crashed=False)
+
+
+def _nodes(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
+    """The node of each rank: one host when gpus_per_node is 0, else bundles filled node by node (pack)
+    or dealt round-robin (spread), and ranks given to bundles as cluster/pool.py's assign_bundles does."""
+    if not gpus_per_node or len(roles) <= gpus_per_node:
+        return [0] * len(roles)
+    from cluster.pool import assign_bundles
+
+    num_nodes = -(-len(roles) // gpus_per_node)
+    spread = placement in ("spread", "strict_spread")
+    bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
+    bundles = assign_bundles(roles, bundle_nodes, placement)
+    return [int(bundle_nodes[b]) for b in bundles]
+
+
+def token_array(rec: Record) -> np.ndarray:
+    return rec.token_times()

@@ -1,0 +1,85 @@
+"""A simulated worker: cluster/worker.py's loop on the virtual clock, stepping a SimEngine.
+
+The real loop, between two steps, takes what its inbox holds (new requests, aborts, KV that has
+arrived), imports arrived KV in arrival order while the engine has room, then steps the engine; after
+a step it exports the KV of requests that handed off, and only then tells the router the step's
+tokens. Here the same: inbox items wait for the next step start (a decode run in progress is cut
+after the step that was scheduled before they came); an import costs host time before the step; a
+step's tokens reach the router `return_s` after the step's exports are done.
+
+States: idle (nothing to do; new work wakes it after the host gap), step (one scheduled step in
+flight), run (a decode run in flight; cut short by new work), start (a step start is queued).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from experiments.sim.engine import DecodeRun, SimEngine
+
+
+@dataclass(eq=False)
+class Handle:
+    """What router/placement.py and router/policies.py read of a worker."""
+
+    rank: int
+    role: str
+    index: int
+    info: dict
+    alive: bool = True
+    in_service: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+@dataclass(eq=False)
+class SimWorker:
+    handle: Handle
+    engine: SimEngine
+    node: int = 0
+    record_steps: bool = True
+    state: str = "idle"
+    version: int = 0                       # bumped to void queued events of a cut run
+    inbox: list = field(default_factory=list)
+    arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
+    sched: object = None                   # the scheduled step in flight
+    step_start: float = 0.0
+    run: DecodeRun | None = None
+    run_steps: int = 0                     # steps of the run in flight that go ahead
+    run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
+    delivered: float = 0.0                 # when the router got this worker's latest step
+    log: list = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.handle.rank
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def alive(self) -> bool:
+        return self.handle.alive
+
+    def steps_ended_by(self, t: float) -> int:
+        """Steps of the run in flight that ended by `t`."""
+        if self.run is None:
+            return 0
+        import numpy as np
+        return min(int(np.searchsorted(self.run.ends, t, side="right")), self.run_steps)
+
+    def log_step(self, start: float, end: float, sched, preempted: int) -> None:
+        if self.record_steps:
+            e, s = self.engine, self.engine.scheduler
+            self.log.append((start, end, sched.num_prefill_tokens, len(sched.prefills), len(sched.decodes),
+                             e.blocks.num_used, len(s.running), len(s.waiting), preempted))
+
+    def log_run(self, run: DecodeRun, m: int) -> dict | None:
+        if not self.record_steps:
+            return None
+        entry = self.engine.run_steps(run, m, len(self.engine.scheduler.waiting))
+        self.log.append(entry)
+        return entry
