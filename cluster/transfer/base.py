@@ -295,6 +295,19 @@ class RecvBuffers:
             self._free.sort(key=torch.Tensor.numel)
             del self._free[:-self.max_free]
 
+    def adopt(self, nbytes: int) -> Callable[[], None]:
+        """Count `nbytes` of receive memory that lives elsewhere (a message the wire library
+        allocated); returns the callback that stops counting it, once."""
+        with self._lock:
+            self.outstanding += nbytes
+        once = [nbytes]
+
+        def release() -> None:
+            if once:
+                with self._lock:
+                    self.outstanding -= once.pop()
+        return release
+
     def releaser(self, buf: torch.Tensor) -> Callable[[], None]:
         """A callback that gives `buf` back once; later calls do nothing."""
         once = [buf]
