@@ -272,10 +272,11 @@ def test_simulator_reproduces_the_real_engine_s_step_sequence(tiny, policy, budg
 
 def test_a_small_real_run_is_simulated_within_a_loose_tolerance(tiny):
     """Profile the tiny model's steps and host gap here (a small grid), serve a small batch of requests
-    on the real engine, and simulate the same requests with the fitted model: mean TTFT and mean E2E
-    latency within 40% and the step count exact. Both are measured here moments apart, so load on a
-    shared machine slows them alike; 40% holds under it, and a wrong step composition or step model
-    (chunks not counted, decodes dropped) misses it by far."""
+    on the real engine, and simulate the same requests with the fitted model: the step count exact,
+    and mean TTFT and mean E2E latency within a factor of 2. Both are measured here moments apart, so
+    load on a shared machine slows them alike (the closer targets are `experiments.validate`'s, not a
+    test's: a burst of load between the profile and the run could flip them); a wrong step
+    composition or step model (chunks not counted, decodes dropped) misses by more."""
     import time
 
     from experiments.analysis.profile import StepBench, fit_steps, grid_cells, measure_gap, measure_steps
@@ -308,8 +309,8 @@ def test_a_small_real_run_is_simulated_within_a_loose_tolerance(tiny):
     sim_ttft = sum(r.token_times()[0] for r in recs) / len(recs)
     sim_e2e = sum(r.token_times()[-1] for r in recs) / len(recs)
     assert sim.workers[0].engine.num_steps == len(engine.trace)
-    assert sim_ttft == pytest.approx(real_ttft, rel=0.4)
-    assert sim_e2e == pytest.approx(real_e2e, rel=0.4)
+    for sim_s, real_s in ((sim_ttft, real_ttft), (sim_e2e, real_e2e)):   # within 2x either way
+        assert 0.5 < sim_s / real_s < 2.0, (sim_s, real_s)
 
 
 # -- the planner ------------------------------------------------------------------------------------
