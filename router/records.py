@@ -24,6 +24,7 @@ class RequestRecord:
     reason: str | None = None                          # why it failed
     finish_reason: str | None = None                   # length | stop
     attempts: int = 0                                  # 1 = served first time
+    retried_for: list[str] = field(default_factory=list)   # why each earlier attempt was given up
     crashes: int = 0                                   # workers that died on their own while serving it
     injected_fault: bool = False                       # an injected fault (kill, lost transfer) hit it
     note: str | None = None                            # degraded serving, e.g. "served whole on prefill:0: ..."

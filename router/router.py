@@ -315,6 +315,7 @@ class Router:
             return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
                                    f"{self.cfg.max_retries})")
         log.info("retrying %s: %s", rec.id, reason)
+        rec.retried_for.append(reason)
         self._dispatch(rec)
 
     # -- events ---------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_streamed_kv_continues_identically(backend, stream, budget, reference):
         pool.shutdown()
     assert [r.output_ids for r in records] == reference
     for rec, prompt in zip(records, PROMPTS):
-        assert rec.status == "ok" and rec.attempts == 1
+        assert rec.status == "ok" and rec.attempts == 1, rec.retried_for
         assert rec.transfer_bytes == KV_BYTES_PER_TOKEN * len(prompt)
         assert rec.kv_arrived is not None and rec.prefill_end is not None
 
@@ -435,6 +435,9 @@ def test_transfer_timeout_is_recovered(disagg, reference):
     assert [r.attempts for r in records] == [1, 1, 2, 1, 1, 1, 1, 1]
     assert [r.injected_fault for r in records] == [False, False, True] + [False] * 5
     assert all(r.status == "ok" for r in records)
+    (why,) = records[2].retried_for                 # the record says why it was served twice
+    assert "KV transfer prefill:0 -> decode:0" in why and "timed out" in why, why
+    assert not any(r.retried_for for i, r in enumerate(records) if i != 2)
 
 
 def test_killed_decode_worker_loses_no_request(caplog):

@@ -163,6 +163,7 @@ def request_row(rec, t0: float) -> dict:
                                if rec.kv_arrived is not None and rec.prefill_end is not None else None),
         "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
+        "retried_for": rec.retried_for,
         "note": rec.note,
     }
 

@@ -33,6 +33,7 @@ class Record:
     reason: str | None = None
     finish_reason: str | None = None
     attempts: int = 0
+    retried_for: list = field(default_factory=list)   # why each earlier attempt was given up
     crashes: int = 0
     injected_fault: bool = False
     note: str | None = None
@@ -135,7 +136,7 @@ def request_row(rec: Record, t0: float = 0.0) -> dict:
                                if rec.kv_arrived is not None and rec.prefill_end is not None else None),
         "queue_s": rec.queue_s,
         "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
-        "note": rec.note,
+        "retried_for": rec.retried_for, "note": rec.note,
     }
 
 

@@ -248,6 +248,7 @@ class Simulator:
         if rec.attempts > self.cfg.router.max_retries:
             return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
                                    f"{self.cfg.router.max_retries})")
+        rec.retried_for.append(reason)
         self._dispatch(rec)
 
     def _timeout(self, rec: Record) -> None:
