@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from experiments.serving.compare import Estimate, change, ratio, sentence, verdict
+from experiments.serving.compare import Estimate, best, change, ratio, sentence, verdict
 from experiments.serving.stats import interval, median_ci, resample_counts, rng_for, separated, two_level
 
 
@@ -85,6 +85,17 @@ def test_verdict_states_only_separated_differences():
     wide = Estimate("W", 15.0, (10.5, 19.5))
     assert verdict([A, wide, C]) == ("A is lower than C; no significant difference between A and W, "
                                      "or between W and C")
+
+
+def test_separated_medians_within_two_percent_state_no_difference():
+    # goodput that tracks the arrival rate: tight intervals a hair apart flip from run to run
+    lo, hi = Estimate("P", 3.500, (3.499, 3.501)), Estimate("Q", 3.510, (3.505, 3.515))
+    assert verdict([hi, lo]) == "no significant difference between P and Q (95% intervals overlap, or medians within 2%)"
+    assert best([lo, hi]) is None and "no significant change" in change("goodput", lo, hi)
+    far = Estimate("R", 3.80, (3.75, 3.85))                       # 8% above: stated
+    assert verdict([lo, hi, far]) == ("P is lower than R; Q is lower than R; no significant difference between "
+                                      "P and Q (intervals overlap or medians within 2%)")
+    assert best([lo, hi, far]) == "R"
 
 
 def test_sentence_shows_every_value_with_its_interval():

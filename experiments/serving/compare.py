@@ -1,7 +1,9 @@
 """The one place where pdlab words a comparison: sentences chosen from medians and 95% intervals.
 
-A difference is stated only when two intervals do not overlap; otherwise the sentence says "no
-significant difference". Points without an interval are named and left out of the comparison. The
+A difference is stated only when two intervals do not overlap and the medians differ by at least
+MIN_DIFFERENCE (2%) of the larger; otherwise the sentence says "no significant difference" (and,
+when the intervals did separate, that the medians lie within 2%: a gap that small between tight
+intervals, e.g. goodput that only tracks the arrival rate, flips from run to run and means nothing). Points without an interval are named and left out of the comparison. The
 console, report.md and lesson.md call these functions and never phrase a comparison themselves.
 """
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from experiments.serving.stats import separated
+
+
+MIN_DIFFERENCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,22 @@ def with_ci(e: Estimate, unit: str = "", digits: int | None = None) -> str:
     return text
 
 
+def differs(a: Estimate, b: Estimate) -> int:
+    """-1 when a is below b, +1 above, 0 when no difference may be stated (module docstring)."""
+    s = separated(a.ci, b.ci) if a.ok and b.ok else 0
+    if s and abs(a.value - b.value) < MIN_DIFFERENCE * max(abs(a.value), abs(b.value)):
+        return 0
+    return s
+
+
+def _close(a: Estimate, b: Estimate) -> bool:
+    """Intervals that separate around medians too close for a difference to be stated."""
+    return separated(a.ci, b.ci) != 0 and differs(a, b) == 0
+
+
+CLOSE = f"medians within {MIN_DIFFERENCE:.0%}"
+
+
 def _names(labels: list[str]) -> str:
     return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
@@ -51,17 +72,21 @@ def verdict(estimates: list[Estimate]) -> str:
     tail = f"; {_names(missing)}: not compared (no value or no interval)" if missing else ""
     if len(known) < 2:
         return "nothing to compare" + tail
-    below = {e.label: [f.label for f in known if separated(e.ci, f.ci) == -1] for e in known}
-    ties = [(a.label, b.label) for i, a in enumerate(known) for b in known[i + 1:] if separated(a.ci, b.ci) == 0]
+    below = {e.label: [f.label for f in known if differs(e, f) == -1] for e in known}
+    pairs = [(a, b) for i, a in enumerate(known) for b in known[i + 1:] if differs(a, b) == 0]
+    ties = [(a.label, b.label) for a, b in pairs]
+    close = any(_close(a, b) for a, b in pairs)
     if not any(below.values()):
-        return f"no significant difference between {_names([e.label for e in known])} (95% intervals overlap)" + tail
+        why = f"95% intervals overlap, or {CLOSE}" if close else "95% intervals overlap"
+        return f"no significant difference between {_names([e.label for e in known])} ({why})" + tail
     if not ties:
         order = [e.label for e in known]
         if len(order) == 2:
             return f"{order[0]} is lower than {order[1]} (95% intervals separate)" + tail
         return f"{order[0]} is lowest, then " + ", then ".join(order[1:]) + " (every pair's intervals separate)" + tail
     clauses = [f"{a} is lower than {_names(bs)}" for a, bs in below.items() if bs]
-    clauses.append("no significant difference between " + ", or between ".join(f"{a} and {b}" for a, b in ties))
+    clauses.append("no significant difference between " + ", or between ".join(f"{a} and {b}" for a, b in ties)
+                   + (f" (intervals overlap or {CLOSE})" if close else ""))
     return "; ".join(clauses) + tail
 
 
@@ -73,7 +98,7 @@ def sentence(metric: str, estimates: list[Estimate], unit: str = "", digits: int
 
 def change(metric: str, start: Estimate, end: Estimate, unit: str = "", digits: int | None = None) -> str:
     """How a metric moved from one point to another: "rose"/"fell" only when the intervals separate."""
-    s = separated(start.ci, end.ci) if start.ok and end.ok else 0
+    s = differs(start, end)
     moved = {-1: "rose", 1: "fell"}.get(s)
     values = f"from {with_ci(start, unit, digits)} ({start.label}) to {with_ci(end, unit, digits)} ({end.label})"
     if moved:
@@ -145,4 +170,4 @@ def best(estimates: list[Estimate], higher: bool = True) -> str | None:
         return None
     top = max(known, key=lambda e: e.value) if higher else min(known, key=lambda e: e.value)
     want = 1 if higher else -1
-    return top.label if all(separated(top.ci, e.ci) == want for e in known if e is not top) else None
+    return top.label if all(differs(top, e) == want for e in known if e is not top) else None
