@@ -39,10 +39,9 @@ from router.clock import WorkerClock, best_probe
 from router.config import FaultConfig, RouterConfig
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import RequestRecord, StreamUpdate
+from router.records import RequestRecord, StreamUpdate, why_not_retry
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
-MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
 
 log = logging.getLogger(__name__)
 
@@ -307,15 +306,10 @@ class Router:
             return
         self._drop(att)
         rec = att.record
-        rec.crashes += crashed
-        if rec.crashes >= MAX_CRASHES:
-            return self._fail(rec, f"{reason}; not retried: it was on {rec.crashes} workers that died while "
-                                   "serving it, and may be what killed them")
-        if rec.attempts > self.cfg.max_retries:
-            return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
-                                   f"{self.cfg.max_retries})")
+        final = why_not_retry(rec, reason, crashed, self.cfg.max_retries)
+        if final is not None:
+            return self._fail(rec, final)
         log.info("retrying %s: %s", rec.id, reason)
-        rec.retried_for.append(reason)
         self._dispatch(rec)
 
     # -- events ---------------------------------------------------------------------------------

@@ -145,3 +145,30 @@ def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> st
         lines.append(_line("Mixed / decode-only step:", sr.get("ratio"), ci=ci.get("step_ratio.ratio")))
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def request_fields(rec, t0: float, output_ids: list, ttft: float | None, e2e: float | None, itl: list,
+                   client_ttft: float | None, client_e2e: float | None, client_itl: list) -> dict:
+    """One requests.jsonl row (experiments/FORMATS.md) of a record with the router's fields (a real
+    RequestRecord or the simulator's Record), given its token timings; times relative to t0."""
+    n = len(output_ids)
+    itl_ms = None
+    if itl:
+        q = percentiles([1e3 * x for x in itl])
+        itl_ms = {"mean": q["mean"], "p50": q["p50"], "p99": q["p99"], "max": 1e3 * max(itl)}
+    return {
+        "id": rec.id, "prompt_len": rec.prompt_len, "output_len": n, "output_ids": output_ids,
+        "max_tokens": rec.max_tokens, "arrival_s": rec.arrival_s - t0,
+        "end_s": None if rec.end_time is None else rec.end_time - t0,
+        "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
+        "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
+        "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
+        "client_ttft_s": client_ttft, "client_e2e_s": client_e2e, "client_itl_s": client_itl,
+        "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
+        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
+        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
+                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
+        "queue_s": rec.queue_s,
+        "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
+        "retried_for": rec.retried_for, "note": rec.note,
+    }

@@ -25,7 +25,7 @@ from experiments.serving.capacity import check_memory
 from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.config import ConfigError, RunSpec, points
 from experiments.serving.machine import shared_cores, snapshot, usage
-from experiments.serving.metrics import percentiles, summarize
+from experiments.serving.metrics import request_fields, summarize
 from experiments.serving.steps import step_ratio
 from experiments.serving.workload import WorkloadError, WorkloadRequest, build_workload
 
@@ -143,29 +143,8 @@ def drive(router, requests: list[WorkloadRequest], desc: str) -> float:
 
 
 def request_row(rec, t0: float) -> dict:
-    n, itl = len(rec.output_ids), rec.itl_s
-    ttft, e2e = rec.ttft_s, rec.e2e_s
-    itl_ms = None
-    if itl:
-        q = percentiles([1e3 * x for x in itl])
-        itl_ms = {"mean": q["mean"], "p50": q["p50"], "p99": q["p99"], "max": 1e3 * max(itl)}
-    return {
-        "id": rec.id, "prompt_len": rec.prompt_len, "output_len": n, "output_ids": rec.output_ids,
-        "max_tokens": rec.max_tokens, "arrival_s": rec.arrival_s - t0,
-        "end_s": None if rec.end_time is None else rec.end_time - t0,
-        "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
-        "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
-        "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
-        "client_ttft_s": rec.client_ttft_s, "client_e2e_s": rec.client_e2e_s, "client_itl_s": rec.client_itl_s,
-        "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
-        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
-                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
-        "queue_s": rec.queue_s,
-        "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
-        "retried_for": rec.retried_for,
-        "note": rec.note,
-    }
+    return request_fields(rec, t0, rec.output_ids, rec.ttft_s, rec.e2e_s, rec.itl_s,
+                          rec.client_ttft_s, rec.client_e2e_s, rec.client_itl_s)
 
 
 def unexpected_failures(records) -> dict | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from experiments.serving.metrics import percentiles
+from experiments.serving.metrics import request_fields
 
 
 @dataclass(eq=False)
@@ -110,34 +110,15 @@ class Attempt:
 def request_row(rec: Record, t0: float = 0.0) -> dict:
     """One requests.jsonl row, as experiments.serving.serve.request_row writes it (output_ids are
     not simulated: a list of zeros of the output's length)."""
-    times = rec.token_times()
+    times, client = rec.token_times(), rec.client_times()
     n = len(times)
-    itl = np.diff(times).tolist() if n >= 2 else []
-    ttft = float(times[0] - rec.arrival_s) if n else None
-    e2e = float(times[-1] - rec.arrival_s) if n else None
-    client = rec.client_times()
-    itl_ms = None
-    if itl:
-        q = percentiles([1e3 * x for x in itl])
-        itl_ms = {"mean": q["mean"], "p50": q["p50"], "p99": q["p99"], "max": 1e3 * max(itl)}
-    return {
-        "id": rec.id, "prompt_len": rec.prompt_len, "output_len": n, "output_ids": [0] * n,
-        "max_tokens": rec.max_tokens, "arrival_s": rec.arrival_s - t0,
-        "end_s": None if rec.end_time is None else rec.end_time - t0,
-        "status": rec.status if rec.status == "ok" else "failed", "reason": rec.reason,
-        "finish_reason": rec.finish_reason, "ttft_s": ttft, "e2e_s": e2e,
-        "tpot_s": (e2e - ttft) / (n - 1) if n >= 2 else None, "itl_s": itl, "itl_ms": itl_ms,
-        "client_ttft_s": float(client[0] - rec.arrival_s) if len(client) else None,
-        "client_e2e_s": float(client[-1] - rec.arrival_s) if len(client) else None,
-        "client_itl_s": np.diff(client).tolist() if len(client) >= 2 else [],
-        "prefill_worker": rec.prefill_worker, "decode_worker": rec.decode_worker,
-        "transfer_bytes": rec.transfer_bytes, "transfer_s": rec.transfer_s,
-        "exposed_transfer_s": (rec.kv_arrived - rec.prefill_end
-                               if rec.kv_arrived is not None and rec.prefill_end is not None else None),
-        "queue_s": rec.queue_s,
-        "prefill_s": rec.prefill_s, "handoff_s": rec.handoff_s, "decode_s": rec.decode_s, "attempts": rec.attempts,
-        "retried_for": rec.retried_for, "note": rec.note,
-    }
+    return request_fields(
+        rec, t0, [0] * n,
+        float(times[0] - rec.arrival_s) if n else None, float(times[-1] - rec.arrival_s) if n else None,
+        np.diff(times).tolist() if n >= 2 else [],
+        float(client[0] - rec.arrival_s) if len(client) else None,
+        float(client[-1] - rec.arrival_s) if len(client) else None,
+        np.diff(client).tolist() if len(client) >= 2 else [])
 
 
 def step_rows(worker: str, log: list):

@@ -36,9 +36,9 @@ from experiments.sim.worker import Handle, SimWorker
 from router.config import FaultConfig, RouterConfig
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
+from router.records import why_not_retry
 from workers.config import EngineConfig, blocks_for
 
-MAX_CRASHES = 2
 
 
 @dataclass
@@ -241,14 +241,9 @@ class Simulator:
             return
         self._drop(att)
         rec = att.rec
-        rec.crashes += crashed
-        if rec.crashes >= MAX_CRASHES:
-            return self._fail(rec, f"{reason}; not retried: it was on {rec.crashes} workers that died while serving "
-                                   "it, and may be what killed them")
-        if rec.attempts > self.cfg.router.max_retries:
-            return self._fail(rec, f"{reason}; gave up after {rec.attempts} attempts (router.max_retries="
-                                   f"{self.cfg.router.max_retries})")
-        rec.retried_for.append(reason)
+        final = why_not_retry(rec, reason, crashed, self.cfg.router.max_retries)
+        if final is not None:
+            return self._fail(rec, final)
         self._dispatch(rec)
 
     def _timeout(self, rec: Record) -> None:
