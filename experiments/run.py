@@ -62,7 +62,7 @@ def console(results: list[dict]) -> None:
         if "error" in r:
             print(f"{r['point'].get('label', '?')}: failed: {r['error']}")
     if len(ok) >= 2:
-        print(f"{' Comparison (differences stated only where 95% intervals separate) ':=^50}")
+        print(f"{' Comparison (differences stated only where 95% intervals separate, medians 2%+ apart) ':=^50}")
         for line in headline_sentences([(r["point"]["label"], r) for r in ok]):
             print(f"- {line}")
     for line in warnings(results):

@@ -147,7 +147,8 @@ def header(r: Report, directory: Path, points: list[Point], ok: list[Point]) -> 
         f"**Repeats and intervals.** Each point was served {' or '.join(map(str, reps)) or 'n/a'} time(s), "
         f"{order}. Every number is the median over repeats, and [brackets] "
         "hold its 95% bootstrap interval (repeats and, within each, requests resampled; with one repeat, requests "
-        "only). A difference is stated only where two intervals do not overlap.\n")
+        "only). A difference is stated only where two intervals do not overlap and the medians differ by "
+        "2% or more.\n")
 
 
 def summary(r: Report, points: list[Point], ok: list[Point]) -> None:
@@ -174,7 +175,8 @@ def comparisons(r: Report, ok: list[Point]) -> None:
     if not found:
         return
     r.md.append("## Comparisons\n")
-    r.md.append("Worded from the medians and 95% intervals: a difference is stated only where intervals separate.\n")
+    r.md.append("Worded from the medians and 95% intervals: a difference is stated only where intervals separate "
+                "and the medians differ by 2% or more.\n")
     for key, g in found:
         r.md.append(f"**{what_varies([p.info for p in g]).capitalize()}** ({group_name(key)}):\n")
         r.md += [f"- {line}" for line in compare.headline_sentences([(p.label, p.metrics) for p in g])] + [""]
