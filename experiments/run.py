@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.serving.compare import headline_sentences
+from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
 from experiments.config import ConfigError, repeats, yield_to_overrides
 from experiments.serving.machine import load_warning
 from experiments.serving.metrics import format_summary
@@ -62,7 +62,7 @@ def console(results: list[dict]) -> None:
         if "error" in r:
             print(f"{r['point'].get('label', '?')}: failed: {r['error']}")
     if len(ok) >= 2:
-        print(f"{' Comparison (differences stated only where 95% intervals separate, medians 2%+ apart) ':=^50}")
+        print(f"{f' Comparison (differences stated only where 95% intervals separate, medians {MIN_DIFFERENCE:.0%}+ apart) ':=^50}")
         for line in headline_sentences([(r["point"]["label"], r) for r in ok]):
             print(f"- {line}")
     for line in warnings(results):

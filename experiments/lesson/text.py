@@ -242,8 +242,8 @@ def render(results: dict) -> str:
     title = ["# The lesson: prefill/decode interference, chunked prefill, and when to disaggregate", "",
              f"Model measured: {results['model']} ({results['dtype']}) on {results['device']}. Every number "
              "below comes from this run (`lesson.json`); estimates are marked as such, and a difference between "
-             f"measurements is stated only where their {CI} intervals separate and their medians differ by 2% "
-             "or more.", ""]
+             f"measurements is stated only where their {CI} intervals separate and their medians differ by "
+             f"{compare.MIN_DIFFERENCE:.0%} or more.", ""]
     from experiments.lesson.when import when
     sections = [why, measured, chunking, when, caveats]
     return "\n".join(title) + "\n" + "\n\n".join(f(results, i) for i, f in enumerate(sections, 1)) + "\n"

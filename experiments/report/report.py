@@ -148,7 +148,7 @@ def header(r: Report, directory: Path, points: list[Point], ok: list[Point]) -> 
         f"{order}. Every number is the median over repeats, and [brackets] "
         "hold its 95% bootstrap interval (repeats and, within each, requests resampled; with one repeat, requests "
         "only). A difference is stated only where two intervals do not overlap and the medians differ by "
-        "2% or more.\n")
+        f"{compare.MIN_DIFFERENCE:.0%} or more.\n")
 
 
 def summary(r: Report, points: list[Point], ok: list[Point]) -> None:
@@ -176,7 +176,7 @@ def comparisons(r: Report, ok: list[Point]) -> None:
         return
     r.md.append("## Comparisons\n")
     r.md.append("Worded from the medians and 95% intervals: a difference is stated only where intervals separate "
-                "and the medians differ by 2% or more.\n")
+                f"and the medians differ by {compare.MIN_DIFFERENCE:.0%} or more.\n")
     for key, g in found:
         r.md.append(f"**{what_varies([p.info for p in g]).capitalize()}** ({group_name(key)}):\n")
         r.md += [f"- {line}" for line in compare.headline_sentences([(p.label, p.metrics) for p in g])] + [""]
