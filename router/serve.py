@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
 from experiments.run import CONF_DIR
-from experiments.serving.serve import ensure_ray, request_row
+from experiments.serving.serve import ensure_ray, request_row, step_row
 from router.frontend import Frontend
 from router.openai_api import build_app
 from router.prom import OUTCOMES, ServeMetrics
@@ -170,9 +170,7 @@ class StepSink:
             self.num_steps += len(steps)
             if self.file is not None:
                 for st in steps:
-                    row = {"worker": worker, **{k: v for k, v in st.items() if k not in ("start", "end")},
-                           "start_s": st["start"] - self.t0, "end_s": st["end"] - self.t0}
-                    self.file.write(json.dumps(row) + "\n")
+                    self.file.write(json.dumps(step_row(worker, st, self.t0)) + "\n")
         if self.file is not None:
             self.file.flush()
 

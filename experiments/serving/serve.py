@@ -142,6 +142,12 @@ def drive(router, requests: list[WorkloadRequest], desc: str) -> float:
     return start
 
 
+def step_row(worker: str, step: dict, t0: float) -> dict:
+    """One steps.jsonl row: a worker's step record (router's clock) with its times relative to t0."""
+    return {"worker": worker, **{k: v for k, v in step.items() if k not in ("start", "end")},
+            "start_s": step["start"] - t0, "end_s": step["end"] - t0}
+
+
 def request_row(rec, t0: float) -> dict:
     return request_fields(rec, t0, rec.output_ids, rec.ttft_s, rec.e2e_s, rec.itl_s,
                           rec.client_ttft_s, rec.client_e2e_s, rec.client_itl_s)
@@ -194,8 +200,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
-    steps = [{"worker": worker, **{k: v for k, v in s.items() if k not in ("start", "end")},
-              "start_s": s["start"] - t0, "end_s": s["end"] - t0} for worker, trace in traces.items() for s in trace]
+    steps = [step_row(worker, s, t0) for worker, trace in traces.items() for s in trace]
     write_jsonl(out / "requests.jsonl", rows)
     write_jsonl(out / "steps.jsonl", steps)
     metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
