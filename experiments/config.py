@@ -70,16 +70,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How each engine runs its model (the `engine` group): attention backend, compilation, graphs."""
+    """How each engine runs its model (the `engine` group): attention backend, kernels, compilation, graphs."""
 
     attention: str = "auto"      # auto | cpu | flex | reference (workers/attention.py)
     compile: bool = False        # torch.compile the model
     cuda_graphs: bool = True     # GPU: replay decode-only steps from CUDA graphs
+    kernels: str = "auto"        # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
 
     def __post_init__(self):
         from workers.attention import BACKENDS
+        from workers.ops import KERNELS
         if self.attention not in ("auto", *BACKENDS):
             raise ValueError(f"attention={self.attention!r}: choose auto or one of {sorted(BACKENDS)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r}: choose one of {list(KERNELS)}")
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,8 @@ class CpuPagedAttention:
     name = "cpu"
 
     def __init__(self):
-        from workers import cpu_attention   # registers torch.ops.pdlab.paged_attention
-        self._kernel = cpu_attention
+        from workers import cpu_kernels   # registers torch.ops.pdlab.paged_attention
+        self._kernel = cpu_kernels
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
@@ -202,5 +202,5 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def _cpu_kernel_available() -> bool:
-    from workers import cpu_attention
-    return cpu_attention.available()
+    from workers import cpu_kernels
+    return cpu_kernels.available()

@@ -177,6 +177,7 @@ class EngineConfig:
     role: str = "colocated"
     attention: str = "auto"          # auto | cpu | flex | reference (workers/attention.py)
     compile: bool = False            # torch.compile the model (inductor)
+    kernels: str = "auto"            # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
     cuda_graphs: bool = True         # on a GPU, replay decode-only steps from CUDA graphs (workers/cuda_graphs.py)
     kv_stream: str = "off"           # prefill role: off (export after the first token) | layer | chunk
 

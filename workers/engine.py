@@ -47,7 +47,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, max_tokens=cfg.token_budget,
                                   max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
-                                  cuda_graphs=cfg.cuda_graphs)
+                                  cuda_graphs=cfg.cuda_graphs, kernels=cfg.kernels)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []          # this engine's steps, oldest first (take_trace drains it)
         self.num_steps = self.num_preempted = 0     # since the start, drained or not
@@ -108,13 +108,15 @@ class Engine:
 
     def memory(self) -> dict:
         """What this engine holds on its device besides the weights: the KV pool (sized once, at
-        start), the step buffers, and the CUDA graphs captured so far."""
+        start), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
+        (oneDNN's layout, CPU kernels only)."""
         graphs = self.runner.graphs
         return {"kv_pool_bytes": self.cache.nbytes, "num_kv_blocks": self.blocks.num_blocks,
                 "block_size": self.cfg.block_size, "step_buffer_bytes": self.runner.buffers.nbytes,
                 "cuda_graph_bytes": graphs.memory_bytes if graphs else 0,
                 "cuda_graphs": sorted(graphs.graphs) if graphs else [],
-                "attention": self.runner.backend.name, "compiled": self.cfg.compile}
+                "packed_weight_bytes": self.runner.ops.packed_bytes,
+                "attention": self.runner.backend.name, "kernels": self.runner.ops.name, "compiled": self.cfg.compile}
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent | RequestFailed]:

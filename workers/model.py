@@ -3,7 +3,9 @@
 One forward call computes a flat batch of new tokens from many requests (the engine's step):
 decode queries (one token each) first, then prefill chunks. Each layer writes the new tokens' K and
 V into the paged pool, then one attention call (workers/attention.py) reads every sequence's
-context from the pool in place.
+context from the pool in place. The rest of a layer's math goes through `ops` (workers/ops.py):
+torch's ops, or fused CPU kernels. Layers pass the residual stream along beside their output, so
+the add that closes one sublayer and the norm that opens the next are one operation.
 """
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import AttentionMetadata, store_kv
+from workers.attention import AttentionMetadata
 from workers.config import ModelConfig, RopeScaling
+from workers.ops import TorchOps
+
+
+TORCH_OPS = TorchOps()
 
 
 class RMSNorm(nn.Module):
@@ -66,11 +72,6 @@ class Rotary(nn.Module):
         return self.cos[positions].to(dtype), self.signed_sin[positions].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] -> x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) (HF's convention)."""
-    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -80,15 +81,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, q_size, dtype=dtype))
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, pool, layer: int, meta: AttentionMetadata, backend):
+    def forward(self, x, pool, layer: int, meta: AttentionMetadata, backend, ops):
         # x [T, hidden]; pool [L, 2, num_blocks, block_size, KVH, D], of which this is layer `layer`
-        T, H, D = x.shape[0], self.num_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj).view(T, H + 2 * self.num_kv_heads, D)
-        qk = apply_rotary(qkv[:, :H + self.num_kv_heads], meta.cos, meta.sin)   # q and k rotated together
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + self.num_kv_heads:]
-        store_kv(pool, layer, meta.slot_mapping, k, v)
+        qkv = ops.linear(x, self.qkv_proj)                                  # [T, (H + 2 KVH) * D]
+        q = ops.rope_store_kv(qkv, self.num_heads, self.num_kv_heads, meta, pool, layer)   # [T, H, D]
         out = backend.forward(q, pool, layer, meta, self.scale)            # [T, H, D]
-        return F.linear(out.reshape(T, -1), self.o_proj)
+        return ops.linear(out.reshape(x.shape[0], -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -97,9 +95,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size, dtype=dtype))
 
-    def forward(self, x):
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+    def forward(self, x, ops):
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -110,9 +107,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, pool, layer, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), pool, layer, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, pool, layer, meta, backend, ops):
+        """h: the previous layer's output, not yet added to the residual stream (layer 0: the
+        embeddings, and no stream yet). -> this layer's output and the stream so far."""
+        if residual is None:
+            x, residual = ops.norm(h, self.input_layernorm), h
+        else:
+            x, residual = ops.add_norm(h, residual, self.input_layernorm)
+        h = self.self_attn(x, pool, layer, meta, backend, ops)
+        x, residual = ops.add_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(x, ops), residual
 
 
 class Llama(nn.Module):
@@ -132,18 +136,18 @@ class Llama(nn.Module):
         self.rotary = Rotary(self.cfg, max_len, device)
 
     def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata, backend,
-                after_layer=None) -> torch.Tensor:
+                after_layer=None, ops=TORCH_OPS) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]. kv_cache [L, 2, NB, BS, KVH, D]; `meta.cos`
         and `meta.sin` hold the rotary tables at the step's positions (`Rotary.tables`). `after_layer(i)`,
         if given, is called once layer i is done (its K/V in the pool)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        h, residual = F.embedding(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv_cache, i, meta, backend)
+            h, residual = layer(h, residual, kv_cache, i, meta, backend, ops)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return ops.add_norm(h, residual, self.norm)[0]
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, ops=TORCH_OPS) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()                   # [N, vocab]
+        return ops.linear(hidden, weight).float()                 # [N, vocab]

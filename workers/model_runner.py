@@ -18,6 +18,7 @@ from workers.attention import AttentionMetadata, make_backend
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache
 from workers.model import Llama
+from workers.ops import make_ops
 from workers.sampler import sample
 from workers.scheduler import SchedulerOutput
 
@@ -63,12 +64,13 @@ class StepBuffers:
 
 class ModelRunner:
     def __init__(self, model: Llama, cache: KVCache, max_model_len: int, max_tokens: int, max_seqs: int,
-                 attention: str = "auto", compile: bool = False, cuda_graphs: bool = True):
+                 attention: str = "auto", compile: bool = False, cuda_graphs: bool = True, kernels: str = "auto"):
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.backend = make_backend(attention, self.device, cache.dtype)
+        self.ops = make_ops(kernels, model, self.device, cache.dtype, compile)
         model.set_max_len(max_model_len, self.device)
         self.buffers = StepBuffers(max_tokens, max_seqs, -(-max_model_len // self.block_size), self.device)
         self.times = StepTimes()
@@ -120,8 +122,8 @@ class ModelRunner:
         self.backend.prepare(meta, self.block_size, self.cache.pool.shape[2])
         with torch.no_grad():       # not inference_mode: compiled graphs mutate the pool in place
             if after_layer is not None:     # a callback between layers: eager (it would break a graph)
-                return self.model(input_ids, self.cache.pool, meta, self.backend, after_layer)
-            return self._model(input_ids, self.cache.pool, meta, self.backend)
+                return self.model(input_ids, self.cache.pool, meta, self.backend, after_layer, self.ops)
+            return self._model(input_ids, self.cache.pool, meta, self.backend, ops=self.ops)
 
     def execute(self, sched: SchedulerOutput, after_layer=None) -> list[int | None]:
         """Run the step; one entry per chunk (decodes, then prefills): its new token, or None
@@ -141,7 +143,7 @@ class ModelRunner:
             if chunk.completes:
                 rows.append(last - 1)
                 reqs.append(chunk.request)
-        tokens = sample(self.model.logits(hidden[rows]), reqs) if rows else []
+        tokens = sample(self.model.logits(hidden[rows], self.ops), reqs) if rows else []
         self.times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         it = iter(tokens)
         return [next(it) if chunk.completes else None for chunk in sched.chunks]

@@ -1,0 +1,106 @@
+"""The fused CPU kernels and oneDNN's packed linear layers (workers/ops.py `cpu`) against torch's
+own ops (`torch`, the reference formulas), one operation at a time and through whole engines."""
+import pytest
+import torch
+
+from tests.conftest import random_prompts
+from workers.attention import AttentionMetadata
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.model import RMSNorm
+from workers.ops import CpuOps, TorchOps, make_ops
+from workers.request import SamplingParams
+from workers.weights import build_model
+
+CLOSE = {"atol": 2e-6, "rtol": 2e-6}      # float32: a few ulps of rounding, never a different formula
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model(model="tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def ops(tiny):
+    return make_ops("cpu", tiny, torch.device("cpu"), torch.float32, compile=False)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 256), (37, 40), (300, 1000)])   # widths off the 16-lane grid
+def test_norm_and_add_norm_match_torch(ops, rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(width, 1e-5, torch.float32)
+    norm.weight.data = torch.rand(width, generator=gen) + 0.5
+    x, residual = torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen)
+    torch.testing.assert_close(ops.norm(x, norm), TorchOps().norm(x, norm), **CLOSE)
+    want, want_residual = TorchOps().add_norm(x, residual.clone(), norm)
+    got, got_residual = ops.add_norm(x, residual, norm)
+    torch.testing.assert_close(got, want, **CLOSE)
+    assert torch.equal(got_residual, want_residual)        # the stream itself: exactly residual + x
+    assert got_residual.data_ptr() == residual.data_ptr()  # added in place, no new tensor
+
+
+@pytest.mark.parametrize("rows,half", [(3, 768), (129, 19)])
+def test_silu_mul_matches_torch_including_large_gates(ops, rows, half):
+    gen = torch.Generator().manual_seed(half)
+    gate_up = torch.randn(rows, 2 * half, generator=gen) * 8
+    gate_up[0, :4] = torch.tensor([-120.0, -88.5, 90.0, 200.0])    # where exp over- and underflows
+    torch.testing.assert_close(ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up), **CLOSE)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 32), (6, 3, 40), (4, 1, 128)])
+def test_rope_store_kv_rotates_and_writes_the_same_slots(ops, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    T, layers, blocks, bs = 11, 2, 6, 4
+    positions = torch.randint(0, 200, (T,), generator=gen)
+    slots = torch.randperm(blocks * bs, generator=gen)[:T]
+    angle = positions[:, None] * torch.rand(head_dim // 2, generator=gen)[None]
+    cos = torch.cat([angle.cos()] * 2, dim=1)
+    sin = torch.cat([-angle.sin(), angle.sin()], dim=1)
+    meta = AttentionMetadata(positions, slots, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32), 0, [T], [T], cos=cos, sin=sin)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    results = []
+    for impl in (TorchOps(), ops):
+        pool = torch.zeros(layers, 2, blocks, bs, kv_heads, head_dim)
+        q = impl.rope_store_kv(qkv.clone(), heads, kv_heads, meta, pool, 1)
+        results.append((q, pool))
+    (q_ref, pool_ref), (q, pool) = results
+    torch.testing.assert_close(q, q_ref, **CLOSE)
+    torch.testing.assert_close(pool, pool_ref, **CLOSE)
+    assert pool[0].abs().sum() == 0                            # only layer 1 written
+    assert (pool[1, 0].view(-1, kv_heads, head_dim).abs().sum((1, 2)) > 0).sum() == T   # exactly the T slots
+
+
+def test_packed_linear_matches_and_unknown_weights_fall_back(tiny, ops):
+    x = torch.randn(5, tiny.cfg.hidden_size)
+    w = tiny.layers[0].self_attn.qkv_proj
+    torch.testing.assert_close(ops.linear(x, w), TorchOps().linear(x, w), atol=1e-5, rtol=1e-5)
+    other = torch.randn(7, tiny.cfg.hidden_size)               # never packed: torch's linear
+    torch.testing.assert_close(ops.linear(x, other), x @ other.T)
+    assert ops.packed_bytes >= sum(p.numel() * 4 for n, p in tiny.named_parameters() if p.dim() == 2
+                                   and "embed" not in n)
+
+
+def test_engines_on_both_kernels_give_the_same_tokens(tiny):
+    prompts = random_prompts(6, tiny.cfg.vocab_size, [1, 33, 70, 5, 129, 16], seed=2)
+    outputs = {}
+    for kernels in ("torch", "cpu"):
+        engine = Engine(tiny, EngineConfig(token_budget=48, num_kv_blocks=64, kernels=kernels))
+        assert engine.memory()["kernels"] == kernels
+        reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=20, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        engine.run()
+        outputs[kernels] = [r.output_ids for r in reqs]
+    assert outputs["cpu"] == outputs["torch"]
+
+
+def test_kernel_choice_is_checked():
+    model = build_model(model="tiny", seed=1)
+    cpu = torch.device("cpu")
+    assert isinstance(make_ops("auto", model, cpu, torch.float32, compile=False), CpuOps)
+    assert type(make_ops("auto", model, cpu, torch.float32, compile=True)) is TorchOps    # inductor fuses
+    assert type(make_ops("auto", model, cpu, torch.bfloat16, compile=False)) is TorchOps
+    with pytest.raises(ValueError, match="kernels=cpu runs an eager float32"):
+        make_ops("cpu", model, cpu, torch.bfloat16, compile=False)
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        make_ops("fast", model, cpu, torch.float32, compile=False)

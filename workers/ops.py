@@ -1,0 +1,123 @@
+"""The math of a decoder layer other than attention, behind one small interface, so the model reads
+the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype and compile):
+
+- `torch`: torch's own ops, one per operation: any device and dtype, and what `torch.compile` fuses.
+  Its formulas are the reference the others are tested against.
+- `cpu`: float32 on a CPU, eager: the fused kernels of workers/csrc/cpu_ops.c (RMSNorm with the
+  residual add, rotary embedding with the KV-cache write, SiLU-and-multiply), each one pass over
+  its data, and the linear layers through oneDNN with weights packed once into its blocked layout
+  (what production CPU engines do; MKL's plain sgemm re-packs the weights on every call, which is
+  most of the cost at the few rows of a decode step). The packed copies double the memory the
+  weights take; `Engine.memory()` reports them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention import AttentionMetadata, store_kv
+
+log = logging.getLogger(__name__)
+KERNELS = ("auto", "torch", "cpu")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) (HF's convention)."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
+
+
+class TorchOps:
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """norm (an RMSNorm module) of x [T, N]."""
+        return norm(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream plus x, and its norm: (norm(residual + x), residual + x)."""
+        residual = residual + x
+        return norm(residual), residual
+
+    def rope_store_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, meta: AttentionMetadata,
+                      pool: torch.Tensor, layer: int) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) * D] -> the rotated queries [T, H, D]; the rotated keys and the values
+        are written at the step's slots of layer `layer`'s pools."""
+        T, H, KVH = qkv.shape[0], num_heads, num_kv_heads
+        qkv = qkv.view(T, H + 2 * KVH, -1)
+        qk = apply_rotary(qkv[:, :H + KVH], meta.cos, meta.sin)           # q and k rotated together
+        store_kv(pool, layer, meta.slot_mapping, qk[:, H:], qkv[:, H + KVH:])
+        return qk[:, :H]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2F] -> silu(gate) * up [T, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @property
+    def packed_bytes(self) -> int:
+        return 0
+
+
+class CpuOps(TorchOps):
+    name = "cpu"
+
+    def __init__(self, model):
+        from workers import cpu_kernels
+        self._k = cpu_kernels
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
+        # keyed by the parameter object: the model keeps each alive, so an id is never reused
+        self._packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) for w in [*weights, head]}
+        self._bytes = sum(p.numel() * p.element_size() for p in self._packed.values())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        packed = self._packed.get(id(weight))
+        if packed is None:
+            return F.linear(x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def norm(self, x: torch.Tensor, norm) -> torch.Tensor:
+        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual is this layer's own stream (the embedding's output, then sums made here), so
+        # adding into it in place changes nothing anyone else holds
+        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps, residual=residual), residual
+
+    def rope_store_kv(self, qkv, num_heads, num_kv_heads, meta, pool, layer) -> torch.Tensor:
+        T = qkv.shape[0]
+        self._k.rope_store_kv(qkv, num_heads, num_kv_heads, meta.cos, meta.sin, meta.slot_mapping,
+                              pool[layer, 0], pool[layer, 1])
+        return qkv.view(T, num_heads + 2 * num_kv_heads, -1)[:, :num_heads]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_mul(gate_up)
+
+    @property
+    def packed_bytes(self) -> int:
+        return self._bytes
+
+
+def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile: bool):
+    """`auto`: `cpu` for an eager float32 model on a CPU whose kernels build and whose torch has
+    oneDNN; `torch` otherwise (a GPU, another dtype, or a compiled model, which inductor fuses)."""
+    if name not in KERNELS:
+        raise ValueError(f"kernels={name!r}: choose one of {list(KERNELS)}")
+    fits = device.type == "cpu" and dtype == torch.float32 and not compile
+    if name == "cpu" and not fits:
+        raise ValueError(f"kernels=cpu runs an eager float32 model on a CPU, not {str(dtype).removeprefix('torch.')} "
+                         f"on {device}{' compiled' if compile else ''}")
+    if name == "torch" or not fits:
+        return TorchOps()
+    from workers import cpu_kernels
+    if not torch.backends.mkldnn.is_available() or not cpu_kernels.available():
+        if name == "cpu":
+            raise ValueError("kernels=cpu: the CPU kernels could not be built or torch lacks oneDNN (see the warning)")
+        log.warning("torch without oneDNN or no CPU kernels: the model runs on torch's own ops")
+        return TorchOps()
+    return CpuOps(model)
