@@ -153,6 +153,118 @@ DEFINE_TILE(tile_d64, 64)
 DEFINE_TILE(tile_d128, 128)
 DEFINE_TILE(tile_any, 0)
 
+/* One query row per head (a decode, or a prompt chunk's single token): all G heads of KV head kvh
+ * over the whole context, in passes rather than online. First every score (16 keys at a time, as
+ * dot products reduced by sum16) into `scores` [G, ctx]; then each head's max, its exponentials
+ * and their sum over the whole row at once; then the values, weighted. The online softmax of a
+ * tile would rescale the accumulators and take an exponential of the running max for every 16
+ * keys, which at one row per head costs as much as the dot products themselves. */
+#define DEFINE_DECODE(NAME, DIM)                                                                      \
+static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, int kvh, float *scores) { \
+    const int D = DIM ? DIM : D_;                                                                     \
+    const int G = a->H / a->KVH, BS = a->BS;                                                          \
+    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
+    const int stride = (ctx + L - 1) / L * L;              /* a row of scores, padded to vectors */  \
+    float qs[ROWS * MAX_D];                                                                           \
+    for (int g = 0; g < G; g++) {                                                                     \
+        const float *src = a->q + (int64_t)qi * a->q_stride + (int64_t)(kvh * G + g) * D;              \
+        for (int d = 0; d < D; d++) qs[g * D + d] = src[d] * a->scale;                                \
+    }                                                                                                 \
+    for (int key0 = 0; key0 < ctx; ) {                     /* scores, a block's keys at a time */    \
+        const int b = key0 / BS, off = key0 % BS;                                                     \
+        int nk = BS - off < L ? BS - off : L;                                                         \
+        if (nk > ctx - key0) nk = ctx - key0;                                                         \
+        const float *kb = a->k + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
+        if (key0 + nk < ctx) {                             /* the next block: scattered in the pool, \
+                                                              so no hardware prefetcher sees it coming */ \
+            const float *kn = a->k + (int64_t)table[(key0 + nk) / BS] * blk + (int64_t)kvh * D;       \
+            const float *vn = a->v + (int64_t)table[(key0 + nk) / BS] * blk + (int64_t)kvh * D;       \
+            for (int j = 0; j < BS; j++)                                                              \
+                for (int d = 0; d < D; d += 16) {                                                     \
+                    __builtin_prefetch(kn + j * tok + d);                                             \
+                    __builtin_prefetch(vn + j * tok + d);                                             \
+                }                                                                                     \
+        }                                                                                             \
+        for (int g = 0; g < G; g++) {                                                                 \
+            vf c[L];                                                                                  \
+            if (DIM) {                                                                                \
+                enum { V = (DIM ? DIM : L) / L };                                                     \
+                vf qv[V];                                                                             \
+                for (int cc = 0; cc < V; cc++) qv[cc] = load(qs + g * D + cc * L);                    \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    vf c0 = qv[0] * load(kb + j * tok);                                               \
+                    for (int cc = 1; cc < V; cc++) c0 += qv[cc] * load(kb + j * tok + cc * L);        \
+                    c[j] = c0;                                                                        \
+                }                                                                                     \
+                for (int j = nk; j < L; j++) c[j] = splat(0.0f);                                      \
+                const vf sc = sum16(c);                                                               \
+                memcpy(scores + g * stride + key0, &sc, sizeof(float) * nk);                          \
+            } else {                                                                                  \
+                for (int j = 0; j < nk; j++) {                                                        \
+                    float d0 = 0.0f;                                                                  \
+                    for (int d = 0; d < D; d++) d0 += qs[g * D + d] * kb[j * tok + d];                \
+                    scores[g * stride + key0 + j] = d0;                                               \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        key0 += nk;                                                                                   \
+    }                                                                                                 \
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                           \
+    float inv[ROWS];                                                                                  \
+    for (int g = 0; g < G; g++) {                          /* softmax of each head's row */          \
+        float *row = scores + g * stride;                                                             \
+        for (int j = ctx; j < stride; j++) row[j] = -INFINITY;                                        \
+        vf mv = load(row);                                                                            \
+        for (int j = L; j < stride; j += L) mv = vmax(mv, load(row + j));                             \
+        const vf mx = splat(hmax(mv));                                                                \
+        vf sum = splat(0.0f);                                                                         \
+        for (int j = 0; j < stride; j += L) {                                                         \
+            const vf p = vexp(load(row + j) - mx);                                                    \
+            store(row + j, sel(lane + j < ctx, p, splat(0.0f)));                                      \
+            sum += p;                                                                                 \
+        }                                                                                             \
+        inv[g] = 1.0f / hsum(sum);                                                                    \
+    }                                                                                                 \
+    for (int g = 0; g < G; g++) {                          /* the weighted values */                 \
+        float *dst = a->out + ((int64_t)qi * a->H + kvh * G + g) * D;                                 \
+        const float *p = scores + g * stride;                                                         \
+        if (DIM) {                                                                                    \
+            enum { V = (DIM ? DIM : L) / L };                                                         \
+            vf o0[V], o1[V];                               /* even and odd keys: two chains */       \
+            for (int c = 0; c < V; c++) o0[c] = o1[c] = splat(0.0f);                                  \
+            for (int key0 = 0; key0 < ctx; ) {                                                        \
+                const int b = key0 / BS, off = key0 % BS;                                             \
+                const int nk = BS - off < ctx - key0 ? BS - off : ctx - key0;                         \
+                const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;      \
+                int j = 0;                                                                            \
+                for (; j + 2 <= nk; j += 2) {                                                         \
+                    const float p0 = p[key0 + j], p1 = p[key0 + j + 1];                               \
+                    for (int c = 0; c < V; c++) {                                                     \
+                        o0[c] += p0 * load(vb + j * tok + c * L);                                     \
+                        o1[c] += p1 * load(vb + (j + 1) * tok + c * L);                               \
+                    }                                                                                 \
+                }                                                                                     \
+                for (; j < nk; j++)                                                                   \
+                    for (int c = 0; c < V; c++) o0[c] += p[key0 + j] * load(vb + j * tok + c * L);    \
+                key0 += nk;                                                                           \
+            }                                                                                         \
+            for (int c = 0; c < V; c++) store(dst + c * L, (o0[c] + o1[c]) * inv[g]);                 \
+        } else {                                                                                      \
+            float o[MAX_D] = {0};                                                                     \
+            for (int key = 0; key < ctx; key++) {                                                     \
+                const float *vj = a->v + (int64_t)table[key / BS] * blk + (key % BS) * tok + (int64_t)kvh * D; \
+                for (int d = 0; d < D; d++) o[d] += p[key] * vj[d];                                   \
+            }                                                                                         \
+            for (int d = 0; d < D; d++) dst[d] = o[d] * inv[g];                                       \
+        }                                                                                             \
+    }                                                                                                 \
+}
+
+DEFINE_DECODE(decode_d32, 32)
+DEFINE_DECODE(decode_d64, 64)
+DEFINE_DECODE(decode_d128, 128)
+DEFINE_DECODE(decode_any, 0)
+
 /* Returns 0; -1 when the shapes are beyond this kernel (H not a multiple of KVH, more than ROWS
  * heads per KV head, D above MAX_D); -2 when scratch memory cannot be had. */
 int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
@@ -171,10 +283,15 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
             item_first[num_items++] = first;
         }
     const int64_t total = (int64_t)num_items * KVH;
+    int max_single = 0;                        /* the longest context read by a one-row item */
+    for (int s = 0; s < num_seqs; s++)
+        if (q_start[s + 1] - q_start[s] == 1 && ctx_len[s] > max_single) max_single = ctx_len[s];
+    const size_t tile_floats = 2 * ROWS * MAX_D + MAX_D * L;
+    const size_t score_floats = (size_t)G * ((max_single + L - 1) / L * L);
     int failed = 0;
 #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * (2 * ROWS * MAX_D + MAX_D * L));
+        float *scratch = malloc(sizeof(float) * (tile_floats > score_floats ? tile_floats : score_floats));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -187,6 +304,15 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
             const int n = num_q_seq - first < tile_q ? num_q_seq - first : tile_q;
             const int32_t *table = block_tables + (int64_t)s * table_stride;
             const int qi = q_start[s] + first, q_pos0 = ctx_len[s] - num_q_seq + first;
+            if (num_q_seq == 1) {
+                switch (D) {
+                    case 32: decode_d32(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
+                    case 64: decode_d64(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
+                    case 128: decode_d128(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
+                    default: decode_any(&a, D, table, qi, ctx_len[s], kvh, scratch);
+                }
+                continue;
+            }
             switch (D) {
                 case 32: tile_d32(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
                 case 64: tile_d64(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
