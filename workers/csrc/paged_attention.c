@@ -22,6 +22,7 @@
 
 #define ROWS 64          /* query rows (queries x heads of a group) per work item, at most */
 #define MAX_D 256
+#define KC (4 * L)       /* keys per chunk of the prefill tile */
 
 typedef struct {
     const float *q, *k, *v;
@@ -152,6 +153,119 @@ DEFINE_TILE(tile_d32, 32)
 DEFINE_TILE(tile_d64, 64)
 DEFINE_TILE(tile_d128, 128)
 DEFINE_TILE(tile_any, 0)
+
+/* Many query rows (a prompt chunk): the rows of tile (first_q.., all G heads of kvh) against keys
+ * KC at a time, flash-attention style. A chunk's keys, gathered through the block table, are
+ * transposed once into kt [D, KC], so scores come from broadcast multiply-adds, 4 rows x KC keys
+ * in 16 accumulators; the online softmax then rescales each row once per KC keys; the values are
+ * accumulated RB rows at a time, each value vector loaded once for RB rows. DIM is a multiple of L. */
+#define DEFINE_PREFILL(NAME, DIM)                                                                     \
+static void NAME(const Args *a, const int32_t *table, int first_q, int num_q, int q_pos0, int kvh,    \
+                 float *scratch) {                                                                    \
+    enum { D = DIM, V = DIM / L, NV = KC / L, RB = 16 / V > 0 ? 16 / V : 1 };                         \
+    const int G = a->H / a->KVH, R = num_q * G, BS = a->BS;                                           \
+    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
+    float *qs = scratch, *acc = qs + ROWS * MAX_D, *kt = acc + ROWS * MAX_D;                          \
+    float m[ROWS], l[ROWS], s[ROWS * KC];                                                             \
+    const float *vp[KC];                                                                              \
+    for (int i = 0; i < num_q; i++)                                                                   \
+        for (int g = 0; g < G; g++) {                                                                 \
+            const float *src = a->q + (int64_t)(first_q + i) * a->q_stride + (int64_t)(kvh * G + g) * D; \
+            for (int d = 0; d < D; d++) qs[(i * G + g) * D + d] = src[d] * a->scale;                  \
+        }                                                                                             \
+    for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }                                    \
+    memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
+    const int last_pos = q_pos0 + num_q - 1;                                                          \
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                           \
+    for (int key0 = 0; key0 <= last_pos; key0 += KC) {                                                \
+        const int nk = last_pos - key0 + 1 < KC ? last_pos - key0 + 1 : KC;                           \
+        for (int j = 0; j < nk; j++) {                     /* gather and transpose the keys */       \
+            const int key = key0 + j;                                                                 \
+            const int64_t at = (int64_t)table[key / BS] * blk + (key % BS) * tok + (int64_t)kvh * D;  \
+            const float *kj = a->k + at;                                                              \
+            vp[j] = a->v + at;                                                                        \
+            for (int d = 0; d < D; d++) kt[d * KC + j] = kj[d];                                       \
+        }                                                                                             \
+        for (int d = 0; d < D; d++)                                                                   \
+            for (int j = nk; j < KC; j++) kt[d * KC + j] = 0.0f;                                      \
+        int r = 0;                                                                                    \
+        for (; r + 4 <= R; r += 4) {                       /* scores, 4 rows x KC keys */            \
+            vf c[4][NV];                                                                              \
+            for (int i = 0; i < 4; i++) for (int v = 0; v < NV; v++) c[i][v] = splat(0.0f);           \
+            for (int d = 0; d < D; d++) {                                                             \
+                vf kd[NV];                                                                            \
+                for (int v = 0; v < NV; v++) kd[v] = load(kt + d * KC + v * L);                       \
+                for (int i = 0; i < 4; i++) {                                                         \
+                    const float qv = qs[(r + i) * D + d];                                             \
+                    for (int v = 0; v < NV; v++) c[i][v] += qv * kd[v];                               \
+                }                                                                                     \
+            }                                                                                         \
+            for (int i = 0; i < 4; i++) for (int v = 0; v < NV; v++) store(s + (r + i) * KC + v * L, c[i][v]); \
+        }                                                                                             \
+        for (; r < R; r++) {                                                                          \
+            vf c[NV];                                                                                 \
+            for (int v = 0; v < NV; v++) c[v] = splat(0.0f);                                          \
+            for (int d = 0; d < D; d++)                                                               \
+                for (int v = 0; v < NV; v++) c[v] += qs[r * D + d] * load(kt + d * KC + v * L);       \
+            for (int v = 0; v < NV; v++) store(s + r * KC + v * L, c[v]);                             \
+        }                                                                                             \
+        for (int r = 0; r < R; r++) {                      /* causal mask, online softmax */        \
+            const int valid = q_pos0 + r / G - key0 + 1, vis = valid < nk ? valid : nk;               \
+            float *row = s + r * KC;                                                                  \
+            if (vis <= 0) { memset(row, 0, sizeof(float) * KC); continue; }                          \
+            vf x[NV], mv = splat(-INFINITY);                                                          \
+            for (int v = 0; v < NV; v++) {                                                            \
+                x[v] = sel(lane + v * L < vis, load(row + v * L), splat(-INFINITY));                  \
+                mv = vmax(mv, x[v]);                                                                  \
+            }                                                                                         \
+            const float hx = hmax(mv), mx = hx > m[r] ? hx : m[r];                                    \
+            vf sum = splat(0.0f);                                                                     \
+            for (int v = 0; v < NV; v++) {                                                            \
+                const vf p = vexp(x[v] - mx);                                                         \
+                store(row + v * L, p);                                                                \
+                sum += p;                                                                             \
+            }                                                                                         \
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);                           \
+            l[r] = l[r] * alpha + hsum(sum);                                                          \
+            m[r] = mx;                                                                                \
+            if (alpha != 1.0f)                                                                        \
+                for (int c = 0; c < V; c++) store(acc + r * D + c * L, load(acc + r * D + c * L) * alpha); \
+        }                                                                                             \
+        for (r = 0; r + RB <= R; r += RB) {                /* acc += p V, RB rows at a time */       \
+            vf o[RB][V];                                                                              \
+            for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) o[i][c] = load(acc + (r + i) * D + c * L); \
+            for (int j = 0; j < nk; j++) {                                                            \
+                vf vv[V];                                                                             \
+                for (int c = 0; c < V; c++) vv[c] = load(vp[j] + c * L);                              \
+                for (int i = 0; i < RB; i++) {                                                        \
+                    const float p = s[(r + i) * KC + j];                                              \
+                    for (int c = 0; c < V; c++) o[i][c] += p * vv[c];                                 \
+                }                                                                                     \
+            }                                                                                         \
+            for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) store(acc + (r + i) * D + c * L, o[i][c]); \
+        }                                                                                             \
+        for (; r < R; r++) {                                                                          \
+            vf o[V];                                                                                  \
+            for (int c = 0; c < V; c++) o[c] = load(acc + r * D + c * L);                             \
+            for (int j = 0; j < nk; j++) {                                                            \
+                const float p = s[r * KC + j];                                                        \
+                for (int c = 0; c < V; c++) o[c] += p * load(vp[j] + c * L);                          \
+            }                                                                                         \
+            for (int c = 0; c < V; c++) store(acc + r * D + c * L, o[c]);                             \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int i = 0; i < num_q; i++)                                                                   \
+        for (int g = 0; g < G; g++) {                                                                 \
+            const int r = i * G + g;                                                                  \
+            const float inv = 1.0f / l[r];                                                            \
+            float *dst = a->out + ((int64_t)(first_q + i) * a->H + kvh * G + g) * D;                  \
+            for (int c = 0; c < V; c++) store(dst + c * L, load(acc + r * D + c * L) * inv);          \
+        }                                                                                             \
+}
+
+DEFINE_PREFILL(prefill_d32, 32)
+DEFINE_PREFILL(prefill_d64, 64)
+DEFINE_PREFILL(prefill_d128, 128)
 
 /* One query row per head (a decode, or a prompt chunk's single token): all G heads of KV head kvh
  * over the whole context, in passes rather than online. First every score (16 keys at a time, as
@@ -286,7 +400,7 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
     int max_single = 0;                        /* the longest context read by a one-row item */
     for (int s = 0; s < num_seqs; s++)
         if (q_start[s + 1] - q_start[s] == 1 && ctx_len[s] > max_single) max_single = ctx_len[s];
-    const size_t tile_floats = 2 * ROWS * MAX_D + MAX_D * L;
+    const size_t tile_floats = 2 * ROWS * MAX_D + MAX_D * KC;
     const size_t score_floats = (size_t)G * ((max_single + L - 1) / L * L);
     int failed = 0;
 #pragma omp parallel
@@ -311,6 +425,10 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
                     case 128: decode_d128(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
                     default: decode_any(&a, D, table, qi, ctx_len[s], kvh, scratch);
                 }
+                continue;
+            }
+            if (n * G >= 8 && (D == 32 || D == 64 || D == 128)) {
+                (D == 32 ? prefill_d32 : D == 64 ? prefill_d64 : prefill_d128)(&a, table, qi, n, q_pos0, kvh, scratch);
                 continue;
             }
             switch (D) {
