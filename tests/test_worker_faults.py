@@ -145,8 +145,8 @@ def test_non_finite_logits_fail_their_request_alone(monkeypatch):
     reqs = [engine.add_request(i, p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
     real, calls = engine.model.logits, []
 
-    def logits(hidden):        # rows follow admission order: all four prompts share every step
-        out = real(hidden).clone()
+    def logits(hidden, *args):  # rows follow admission order: all four prompts share every step
+        out = real(hidden, *args).clone()
         calls.append(len(out))
         if len(calls) == 3:    # the second decode step
             assert len(out) == 4
