@@ -48,6 +48,14 @@ def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path)
     assert r["case"] == "mixed" and r["identical"] and r["num_identical"] == r["num_prompts"] == 16
     assert r["speedup"] == pytest.approx(r["hf_s"] / r["pdlab_s"])
     assert 0 < r["matmul_floor_s"] and r["max_speedup"] == pytest.approx(r["hf_s"] / r["matmul_floor_s"])
+    assert r["compute_floor_s"] > r["matmul_floor_s"] and r["max_speedup_compute"] < r["max_speedup"]
     b = r["breakdown"]
     assert b["decode"]["steps"] == 63 and b["decode"]["tokens_per_step"] == 16     # 64 tokens: 1 from the prefill
     assert b["prefill"]["steps"] * 2048 >= 16 * 256
+
+
+def test_attention_flops_count_every_causal_pair():
+    from workers.bench import Case, attention_flops, parse_shape
+    cfg = parse_shape("64,2,4,2,128,256")                       # head_dim 16, 4 heads, 2 layers
+    # each of 2 prompts: 3 prompt tokens see 1 + 2 + 3 keys; decode steps 1 and 2 see 4 and 5
+    assert attention_flops(cfg, Case("x", "-", 2, 3, 3)) == 4 * 16 * 4 * 2 * 2 * (6 + 9)

@@ -10,7 +10,8 @@ on a shared machine hits both alike. Printed per case: the median time of each, 
 spread of the per-pair ratios, whether every output token matched, pdlab's step-time breakdown
 (prepare / forward / sample), and the matmul floor: the time the case's matrix multiplications
 alone take here, measured per step shape after the timed runs (HF's time over it is the most any
-engine doing those matmuls could gain). On a GPU it also prints the decode step against the HBM floor and the
+engine doing those matmuls could gain), then that floor with attention's FLOPs added at the
+matmuls' own rate (a bound no attention kernel reaches). On a GPU it also prints the decode step against the HBM floor and the
 prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
 
 Cases (the shapes of issue 10's table): `decode-heavy` (tiny, 64 prompts x 128 tokens, 128 out),
@@ -160,11 +161,11 @@ def breakdown(engine: Engine) -> dict:
     return out
 
 
-def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> float:
-    """Seconds the steps' matrix multiplications alone take on this device: every weight of the
-    model times a step's rows (and the LM head times its sampled rows), measured here (median of
-    `repeats`) for each distinct step shape. No engine doing the same matmuls can be faster, so
-    HF's time over this bounds the speed-up any engine could show in this case."""
+def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> tuple[float, float]:
+    """Seconds the steps' matrix multiplications alone take on this device, and their FLOPs: every
+    weight of the model times a step's rows (and the LM head times its sampled rows), measured here
+    (median of `repeats`) for each distinct step shape. No engine doing the same matmuls can be
+    faster, so HF's time over this bounds the speed-up any engine could show in this case."""
     weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
                and "lm_head" not in name]
     head = model.embed_tokens if model.lm_head is None else model.lm_head
@@ -185,13 +186,23 @@ def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> float:
                 times.append(CLOCK() - start)
         return statistics.median(times[1:])          # the first is a warm-up
 
-    total = 0.0
+    total = flops = 0.0
     for st in steps:
         key = (st.num_tokens, st.num_decode_seqs + st.num_prefill_seqs)
         if key not in cache:
             cache[key] = one(*key)
         total += cache[key]
-    return total
+        flops += 2 * (key[0] * sum(w.numel() for w in weights) + key[1] * head.numel())
+    return total, flops
+
+
+def attention_flops(cfg: ModelConfig, case: Case) -> float:
+    """The multiply-adds of attention in a case, counted exactly: every query of every head scores
+    the keys up to its own position and sums as many values (2 x 2 x head_dim FLOPs a pair). The
+    count does not depend on how prompts are chunked."""
+    pairs_prompt = case.prompt_len * (case.prompt_len + 1) // 2
+    pairs_decode = sum(case.prompt_len + k for k in range(1, case.output_len))   # decode step k sees P + k keys
+    return 4.0 * cfg.head_dim * cfg.num_heads * cfg.num_layers * case.num_prompts * (pairs_prompt + pairs_decode)
 
 
 def gpu_floors(cfg: ModelConfig, dtype_bytes: int, engine: Engine, case: Case) -> dict:
@@ -232,7 +243,9 @@ def run_case(case: Case, cfg: ModelConfig, args, device: torch.device, dtype: to
             seconds, outputs[name] = timed(lambda: runner.generate(ids, case.output_len))
             times[name].append(seconds)
     pairs = [h / p for h, p in zip(times["hf"], times["pdlab"])]
-    floor_s = matmul_floor(pd.model, pd.engine.trace, device)
+    floor_s, mm_flops = matmul_floor(pd.model, pd.engine.trace, device)
+    # attention's arithmetic as if it ran at the matmuls' own rate: a bound no kernel reaches
+    compute_s = floor_s + attention_flops(cfg, case) / (mm_flops / floor_s)
     same = sum(a == b for a, b in zip(outputs["hf"], outputs["pdlab"]))
     result = {"case": case.name, "shape": cfg.name, "num_prompts": case.num_prompts, "prompt_len": case.prompt_len,
               "output_len": case.output_len, "hf_s": statistics.median(times["hf"]),
@@ -240,6 +253,8 @@ def run_case(case: Case, cfg: ModelConfig, args, device: torch.device, dtype: to
               statistics.median(times["pdlab"]), "speedup_min": min(pairs), "speedup_max": max(pairs),
               "identical": same == len(outputs["hf"]), "num_identical": same, "breakdown": breakdown(pd.engine),
               "matmul_floor_s": floor_s, "max_speedup": statistics.median(times["hf"]) / floor_s,
+              "matmul_gflops": mm_flops / floor_s / 1e9, "attention_gflop": attention_flops(cfg, case) / 1e9,
+              "compute_floor_s": compute_s, "max_speedup_compute": statistics.median(times["hf"]) / compute_s,
               "attention": pd.engine.runner.backend.name, "compile": args.compile}
     if device.type == "cuda":
         result["gpu"] = gpu_floors(cfg, torch.tensor([], dtype=dtype).element_size(), pd.engine, case)
@@ -253,7 +268,9 @@ def report(r: dict) -> str:
              f"(per pair {r['speedup_min']:.2f}-{r['speedup_max']:.2f}x); outputs identical: "
              f"{r['num_identical']}/{r['num_prompts']}",
              f"  matmuls alone {r['matmul_floor_s']:.2f} s (pdlab at {r['matmul_floor_s'] / r['pdlab_s']:.0%} of "
-             f"that floor): no engine with these matmuls gets past {r['max_speedup']:.2f}x over HF here"]
+             f"that floor): no engine with these matmuls gets past {r['max_speedup']:.2f}x over HF here",
+             f"  with attention's {r['attention_gflop']:.0f} GFLOP at the matmuls' {r['matmul_gflops']:.0f} GFLOP/s too: "
+             f"{r['compute_floor_s']:.2f} s, at most {r['max_speedup_compute']:.2f}x"]
     for kind in ("prefill", "decode"):
         if kind in b:
             k = b[kind]
