@@ -21,6 +21,7 @@
 #include "simd.h"
 
 #define ROWS 64          /* query rows (queries x heads of a group) per work item, at most */
+#define PROWS 128        /* the same for the prefill tile of a head size it is specialised for */
 #define MAX_D 256
 #define KC (4 * L)       /* keys per chunk of the prefill tile */
 
@@ -165,8 +166,8 @@ static void NAME(const Args *a, const int32_t *table, int first_q, int num_q, in
     enum { D = DIM, V = DIM / L, NV = KC / L, RB = 16 / V > 0 ? 16 / V : 1 };                         \
     const int G = a->H / a->KVH, R = num_q * G, BS = a->BS;                                           \
     const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
-    float *qs = scratch, *acc = qs + ROWS * MAX_D, *kt = acc + ROWS * MAX_D;                          \
-    float m[ROWS], l[ROWS], s[ROWS * KC];                                                             \
+    float *qs = scratch, *acc = qs + PROWS * MAX_D, *kt = acc + PROWS * MAX_D;                        \
+    float m[PROWS], l[PROWS], s[PROWS * KC];                                                          \
     const float *vp[KC];                                                                              \
     for (int i = 0; i < num_q; i++)                                                                   \
         for (int g = 0; g < G; g++) {                                                                 \
@@ -386,7 +387,8 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
                               const int32_t *ctx_len, int num_seqs, int H, int KVH, int D, int BS, float scale) {
     if (KVH <= 0 || H % KVH || H / KVH > ROWS || D <= 0 || D > MAX_D || BS <= 0) return -1;
     const Args a = {q, k, v, out, q_stride, H, KVH, BS, scale};
-    const int G = H / KVH, tile_q = ROWS / G;
+    const int G = H / KVH, special = D == 32 || D == 64 || D == 128;
+    const int tile_q = (special ? PROWS : ROWS) / G;
     const size_t cap = (size_t)q_start[num_seqs] / tile_q + num_seqs + 1;
     int *item_seq = malloc(sizeof(int) * 2 * cap);
     if (!item_seq) return -2;
@@ -400,7 +402,7 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
     int max_single = 0;                        /* the longest context read by a one-row item */
     for (int s = 0; s < num_seqs; s++)
         if (q_start[s + 1] - q_start[s] == 1 && ctx_len[s] > max_single) max_single = ctx_len[s];
-    const size_t tile_floats = 2 * ROWS * MAX_D + MAX_D * KC;
+    const size_t tile_floats = 2 * PROWS * MAX_D + MAX_D * KC;
     const size_t score_floats = (size_t)G * ((max_single + L - 1) / L * L);
     int failed = 0;
 #pragma omp parallel
@@ -427,7 +429,7 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
                 }
                 continue;
             }
-            if (n * G >= 8 && (D == 32 || D == 64 || D == 128)) {
+            if (special && (n * G >= 8 || n * G > ROWS)) {
                 (D == 32 ? prefill_d32 : D == 64 ? prefill_d64 : prefill_d128)(&a, table, qi, n, q_pos0, kvh, scratch);
                 continue;
             }
