@@ -180,15 +180,20 @@ static void NAME(const Args *a, const int32_t *table, int first_q, int num_q, in
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                           \
     for (int key0 = 0; key0 <= last_pos; key0 += KC) {                                                \
         const int nk = last_pos - key0 + 1 < KC ? last_pos - key0 + 1 : KC;                           \
-        for (int j = 0; j < nk; j++) {                     /* gather and transpose the keys */       \
+        const float *kp[KC];                                                                          \
+        for (int j = 0; j < nk; j++) {                     /* the chunk's keys and values */         \
             const int key = key0 + j;                                                                 \
             const int64_t at = (int64_t)table[key / BS] * blk + (key % BS) * tok + (int64_t)kvh * D;  \
-            const float *kj = a->k + at;                                                              \
+            kp[j] = a->k + at;                                                                        \
             vp[j] = a->v + at;                                                                        \
-            for (int d = 0; d < D; d++) kt[d * KC + j] = kj[d];                                       \
         }                                                                                             \
-        for (int d = 0; d < D; d++)                                                                   \
-            for (int j = nk; j < KC; j++) kt[d * KC + j] = 0.0f;                                      \
+        for (int j0 = 0; j0 < KC; j0 += L)                 /* kt = K^T, 16 x 16 blocks at a time */  \
+            for (int d0 = 0; d0 < D; d0 += L) {                                                       \
+                vf blk16[L];                                                                          \
+                for (int j = 0; j < L; j++) blk16[j] = j0 + j < nk ? load(kp[j0 + j] + d0) : splat(0.0f); \
+                transpose16(blk16);                                                                   \
+                for (int d = 0; d < L; d++) store(kt + (d0 + d) * KC + j0, blk16[d]);                 \
+            }                                                                                         \
         int r = 0;                                                                                    \
         for (; r + 4 <= R; r += 4) {                       /* scores, 4 rows x KC keys */            \
             vf c[4][NV];                                                                              \

@@ -76,4 +76,22 @@ static inline vf vexp(vf x) {
     return sel(dead, splat(0.0f), p * (vf)((ni + 127) << 23));
 }
 
+
+/* A 16 x 16 block in registers, transposed in place: four rounds that swap off-diagonal blocks of
+ * 8, 4, 2 and 1 lanes between rows i and i + b (16 two-source shuffles a round). */
+static inline void transpose16(vf *r) {
+    for (int b = 8; b >= 1; b /= 2) {
+        vi lo, hi;
+        for (int l = 0; l < L; l++) {
+            lo[l] = (l & b) ? L + l - b : l;
+            hi[l] = (l & b) ? L + l : l + b;
+        }
+        for (int i = 0; i < L; i++)
+            if (!(i & b)) {
+                const vf x = r[i], y = r[i + b];
+                r[i] = __builtin_shuffle(x, y, lo);
+                r[i + b] = __builtin_shuffle(x, y, hi);
+            }
+    }
+}
 #endif
