@@ -8,11 +8,11 @@
  * query tile, not once per head.
  *
  * Work item = (sequence, KV head, tile of queries), run in parallel with OpenMP (the runtime torch
- * itself uses, so torch.set_num_threads governs it). Within an item, keys are visited in chunks of
- * up to 16 keys of one block (one vector of float32 lanes) with an online softmax, flash-attention
- * style: a running max and sum per query row, the output accumulated in float32 and divided once
- * at the end. Scores are computed 8 rows at a time and values accumulated into 8 vectors at a
- * time, so the multiply-adds form independent chains (one chain would wait on its own latency).
+ * itself uses, so torch.set_num_threads governs it). A prompt chunk's tile visits its keys in chunks
+ * with an online softmax, flash-attention style: a running max and sum per query row, the output
+ * accumulated in float32 and divided once at the end; a single query row per head (a decode) takes
+ * its whole context in passes instead. Head sizes 32, 64 and 128 have specialised copies whose
+ * accumulators stay in registers; any other size runs a plain generic tile.
  *
  * Layouts (float32):
  *   q     [T, H, D], token stride q_stride (elements), head stride D   out [T, H, D], contiguous
@@ -33,127 +33,77 @@ typedef struct {
     float scale;
 } Args;
 
-/* Queries [first_q, first_q + num_q) of one sequence (the first at position q_pos0), all G heads of
- * KV head kvh. DIM is a compile-time constant in the specialised copies (0: the generic one), so
- * the value accumulators of a row block stay in registers. */
-#define DEFINE_TILE(NAME, DIM)                                                                        \
-static void NAME(const Args *a, int D_, const int32_t *table, int first_q, int num_q, int q_pos0,     \
-                 int kvh, float *scratch) {                                                           \
-    const int D = DIM ? DIM : D_;                                                                     \
-    const int G = a->H / a->KVH, R = num_q * G, BS = a->BS;                                           \
-    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
-    float *qs = scratch, *acc = qs + ROWS * MAX_D, *kt = acc + ROWS * MAX_D;                          \
-    float m[ROWS], l[ROWS], s[ROWS * L];                                                              \
-    for (int i = 0; i < num_q; i++)                                                                   \
-        for (int g = 0; g < G; g++) {                                                                 \
-            const float *src = a->q + (int64_t)(first_q + i) * a->q_stride + (int64_t)(kvh * G + g) * D; \
-            for (int d = 0; d < D; d++) qs[(i * G + g) * D + d] = src[d] * a->scale;                  \
-        }                                                                                             \
-    for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }                                    \
-    memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
-    const int last_pos = q_pos0 + num_q - 1;                                                          \
-    for (int key0 = 0; key0 <= last_pos; ) {                                                          \
-        const int b = key0 / BS, off = key0 % BS;                                                     \
-        int nk = BS - off < L ? BS - off : L;                                                         \
-        if (nk > last_pos - key0 + 1) nk = last_pos - key0 + 1;                                       \
-        const float *kb = a->k + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
-        const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
-        if (DIM && R < 8) {                                 /* few rows (decode): dot products */   \
-            enum { V = (DIM ? DIM : L) / L };                                                         \
-            for (int r = 0; r < R; r++) {                                                             \
-                vf qv[V], c[L];                                                                       \
-                for (int cc = 0; cc < V; cc++) qv[cc] = load(qs + r * D + cc * L);                    \
-                for (int j = 0; j < nk; j++) {                                                        \
-                    vf c0 = qv[0] * load(kb + j * tok);                                               \
-                    for (int cc = 1; cc < V; cc++) c0 += qv[cc] * load(kb + j * tok + cc * L);        \
-                    c[j] = c0;                                                                        \
-                }                                                                                     \
-                for (int j = nk; j < L; j++) c[j] = splat(0.0f);                                      \
-                store(s + r * L, sum16(c));                 /* lane j: key j's score */              \
-            }                                                                                         \
-        } else {                                            /* many rows: K^T, keys as lanes */     \
-            for (int d = 0; d < D; d++) {                                                             \
-                for (int j = 0; j < nk; j++) kt[d * L + j] = kb[j * tok + d];                         \
-                for (int j = nk; j < L; j++) kt[d * L + j] = 0.0f;                                    \
-            }                                                                                         \
-            int r = 0;                                                                                \
-            for (; r + 8 <= R; r += 8) {                    /* 8 rows at a time */                   \
-                vf c[8] = {{0}};                                                                      \
-                for (int d = 0; d < D; d++) {                                                         \
-                    const vf kd = load(kt + d * L);                                                   \
-                    for (int i = 0; i < 8; i++) c[i] += qs[(r + i) * D + d] * kd;                     \
-                }                                                                                     \
-                for (int i = 0; i < 8; i++) store(s + (r + i) * L, c[i]);                             \
-            }                                                                                         \
-            for (; r < R; r++) {                                                                      \
-                vf c = {0};                                                                           \
-                for (int d = 0; d < D; d++) c += qs[r * D + d] * load(kt + d * L);                    \
-                store(s + r * L, c);                                                                  \
-            }                                                                                         \
-        }                                                                                             \
-        const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                       \
-        for (int r = 0; r < R; r++) {                       /* causal mask, online softmax */        \
-            const int valid = q_pos0 + r / G - key0 + 1;                                              \
-            vf x = load(s + r * L);                                                                   \
-            x = sel(lane < (valid < nk ? valid : nk), x, splat(-INFINITY));                           \
-            const float hx = hmax(x), mx = hx > m[r] ? hx : m[r];                                     \
-            if (mx == -INFINITY) { store(s + r * L, splat(0.0f)); continue; }                        \
-            const vf p = vexp(x - mx);                                                                \
-            const float alpha = m[r] == -INFINITY ? 0.0f : vexp(splat(m[r] - mx))[0];                 \
-            l[r] = l[r] * alpha + hsum(p);                                                            \
-            m[r] = mx;                                                                                \
-            store(s + r * L, p);                                                                      \
-            if (alpha != 1.0f)                                                                        \
-                for (int d = 0; d < D; d++) acc[r * D + d] *= alpha;                                  \
-        }                                                                                             \
-        if (DIM) {                                          /* acc += p V, 128 floats at a time */   \
-            enum { V = (DIM ? DIM : L) / L, RB = V >= 8 ? 1 : 8 / V };                                \
-            int r = 0;                                                                                \
-            for (; r + RB <= R; r += RB) {                                                            \
-                vf o[RB][V];                                                                          \
-                for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) o[i][c] = load(acc + (r + i) * D + c * L); \
-                for (int j = 0; j < nk; j++) {                                                        \
-                    const float *vj = vb + j * tok;                                                   \
-                    vf vv[V];                                                                         \
-                    for (int c = 0; c < V; c++) vv[c] = load(vj + c * L);                             \
-                    for (int i = 0; i < RB; i++) {                                                    \
-                        const float p = s[(r + i) * L + j];                                           \
-                        for (int c = 0; c < V; c++) o[i][c] += p * vv[c];                             \
-                    }                                                                                 \
-                }                                                                                     \
-                for (int i = 0; i < RB; i++) for (int c = 0; c < V; c++) store(acc + (r + i) * D + c * L, o[i][c]); \
-            }                                                                                         \
-            for (; r < R; r++) {                            /* the rest, one row in registers */     \
-                vf o[V];                                                                              \
-                for (int c = 0; c < V; c++) o[c] = load(acc + r * D + c * L);                         \
-                for (int j = 0; j < nk; j++) {                                                        \
-                    const float p = s[r * L + j], *vj = vb + j * tok;                                 \
-                    for (int c = 0; c < V; c++) o[c] += p * load(vj + c * L);                         \
-                }                                                                                     \
-                for (int c = 0; c < V; c++) store(acc + r * D + c * L, o[c]);                         \
-            }                                                                                         \
-        } else {                                                                                      \
-            for (int r = 0; r < R; r++)                                                               \
-                for (int j = 0; j < nk; j++) {                                                        \
-                    const float p = s[r * L + j], *vj = vb + j * tok;                                 \
-                    for (int d = 0; d < D; d++) acc[r * D + d] += p * vj[d];                          \
-                }                                                                                     \
-        }                                                                                             \
-        key0 += nk;                                                                                   \
-    }                                                                                                 \
-    for (int i = 0; i < num_q; i++)                                                                   \
-        for (int g = 0; g < G; g++) {                                                                 \
-            const int r = i * G + g;                                                                  \
-            const float inv = 1.0f / l[r];                                                            \
-            float *dst = a->out + ((int64_t)(first_q + i) * a->H + kvh * G + g) * D;                  \
-            for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;                                \
-        }                                                                                             \
+/* A tile's rows: row i * G + g is query first_q + i of head kvh * G + g, scaled; its running max,
+ * sum and output accumulator start empty. */
+static void start_rows(const Args *a, int D, int first_q, int num_q, int kvh, float *qs, float *acc, float *m,
+                       float *l) {
+    const int G = a->H / a->KVH;
+    for (int i = 0; i < num_q; i++)
+        for (int g = 0; g < G; g++) {
+            const float *src = a->q + (int64_t)(first_q + i) * a->q_stride + (int64_t)(kvh * G + g) * D;
+            for (int d = 0; d < D; d++) qs[(i * G + g) * D + d] = src[d] * a->scale;
+        }
+    for (int r = 0; r < num_q * G; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    memset(acc, 0, sizeof(float) * (size_t)num_q * G * D);
 }
 
-DEFINE_TILE(tile_d32, 32)
-DEFINE_TILE(tile_d64, 64)
-DEFINE_TILE(tile_d128, 128)
-DEFINE_TILE(tile_any, 0)
+/* Any head size (the specialised ones take prefill_d*): queries [first_q, first_q + num_q) of one
+ * sequence (the first at position q_pos0), all G heads of KV head kvh, against keys 16 at a time
+ * (one block's worth at most), transposed into kt so scores come from broadcast multiply-adds, with
+ * an online softmax. Plain loops: the compiler vectorises what it can. */
+static void tile_any(const Args *a, int D, const int32_t *table, int first_q, int num_q, int q_pos0, int kvh,
+                     float *scratch) {
+    const int G = a->H / a->KVH, R = num_q * G, BS = a->BS;
+    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;
+    float *qs = scratch, *acc = qs + ROWS * MAX_D, *kt = acc + ROWS * MAX_D;
+    float m[ROWS], l[ROWS], s[ROWS * L];
+    start_rows(a, D, first_q, num_q, kvh, qs, acc, m, l);
+    const int last_pos = q_pos0 + num_q - 1;
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int key0 = 0; key0 <= last_pos; ) {
+        const int b = key0 / BS, off = key0 % BS;
+        int nk = BS - off < L ? BS - off : L;
+        if (nk > last_pos - key0 + 1) nk = last_pos - key0 + 1;
+        const float *kb = a->k + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;
+        const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;
+        for (int d = 0; d < D; d++) {
+            for (int j = 0; j < nk; j++) kt[d * L + j] = kb[j * tok + d];
+            for (int j = nk; j < L; j++) kt[d * L + j] = 0.0f;
+        }
+        for (int r = 0; r < R; r++) {
+            vf c = {0};
+            for (int d = 0; d < D; d++) c += qs[r * D + d] * load(kt + d * L);
+            store(s + r * L, c);
+        }
+        for (int r = 0; r < R; r++) {                       /* causal mask, online softmax */
+            const int valid = q_pos0 + r / G - key0 + 1;
+            vf x = load(s + r * L);
+            x = sel(lane < (valid < nk ? valid : nk), x, splat(-INFINITY));
+            const float hx = hmax(x), mx = hx > m[r] ? hx : m[r];
+            if (mx == -INFINITY) { store(s + r * L, splat(0.0f)); continue; }
+            const vf p = vexp(x - mx);
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+            l[r] = l[r] * alpha + hsum(p);
+            m[r] = mx;
+            store(s + r * L, p);
+            if (alpha != 1.0f)
+                for (int d = 0; d < D; d++) acc[r * D + d] *= alpha;
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < nk; j++) {
+                const float p = s[r * L + j], *vj = vb + j * tok;
+                for (int d = 0; d < D; d++) acc[r * D + d] += p * vj[d];
+            }
+        key0 += nk;
+    }
+    for (int i = 0; i < num_q; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const float inv = 1.0f / l[r];
+            float *dst = a->out + ((int64_t)(first_q + i) * a->H + kvh * G + g) * D;
+            for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+        }
+}
 
 /* Many query rows (a prompt chunk): the rows of tile (first_q.., all G heads of kvh) against keys
  * KC at a time, flash-attention style. A chunk's keys, gathered through the block table, are
@@ -169,13 +119,7 @@ static void NAME(const Args *a, const int32_t *table, int first_q, int num_q, in
     float *qs = scratch, *acc = qs + PROWS * MAX_D, *kt = acc + PROWS * MAX_D;                        \
     float m[PROWS], l[PROWS], s[PROWS * KC];                                                          \
     const float *vp[KC];                                                                              \
-    for (int i = 0; i < num_q; i++)                                                                   \
-        for (int g = 0; g < G; g++) {                                                                 \
-            const float *src = a->q + (int64_t)(first_q + i) * a->q_stride + (int64_t)(kvh * G + g) * D; \
-            for (int d = 0; d < D; d++) qs[(i * G + g) * D + d] = src[d] * a->scale;                  \
-        }                                                                                             \
-    for (int r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.0f; }                                    \
-    memset(acc, 0, sizeof(float) * (size_t)R * D);                                                    \
+    start_rows(a, D, first_q, num_q, kvh, qs, acc, m, l);                                             \
     const int last_pos = q_pos0 + num_q - 1;                                                          \
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                           \
     for (int key0 = 0; key0 <= last_pos; key0 += KC) {                                                \
@@ -434,16 +378,10 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
                 }
                 continue;
             }
-            if (special && (n * G >= 8 || n * G > ROWS)) {
+            if (special)
                 (D == 32 ? prefill_d32 : D == 64 ? prefill_d64 : prefill_d128)(&a, table, qi, n, q_pos0, kvh, scratch);
-                continue;
-            }
-            switch (D) {
-                case 32: tile_d32(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
-                case 64: tile_d64(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
-                case 128: tile_d128(&a, D, table, qi, n, q_pos0, kvh, scratch); break;
-                default: tile_any(&a, D, table, qi, n, q_pos0, kvh, scratch);
-            }
+            else
+                tile_any(&a, D, table, qi, n, q_pos0, kvh, scratch);
         }
         free(scratch);
     }
