@@ -76,6 +76,25 @@ def test_no_figure_in_the_lesson_text_is_a_literal(module):
     assert not offenders, offenders
 
 
+def test_a_cell_takes_a_layout_s_full_scale_value_over_its_estimate(monkeypatch):
+    """The planner checks its best two layouts on the whole cluster and lowers one that misses there: the
+    cell's mode values and winner come from that check, not from the estimate it replaced."""
+    from experiments.analysis import decision_sim
+    from experiments.analysis.plan import Candidate
+
+    chunked = Candidate("colocated-chunked", 256, 8.0, "probe")
+    estimate = Candidate("1p3d", None, 9.0, "phases")
+    checked = Candidate("1p3d", None, 6.0, "full scale (the phases estimate 9/GPU missed: 80.0%)")
+    result = {"candidates": [Candidate("colocated-prefill_first", None, 5.0, "probe"), chunked, estimate,
+                             Candidate("2p2d", None, 4.0, "phases")],
+              "best": chunked, "runner_up": checked, "num_sims": 9, "costs": "fake"}
+    monkeypatch.setattr(decision_sim, "plan", lambda *a, **k: result)
+    monkeypatch.setattr(decision_sim, "cell_config", lambda *a, **k: None)
+    cell = decision_sim.simulate_cell(None, 4, 1024, 256, {}, 5e10, [256], 30, 3)
+    assert cell["modes"]["disaggregated"] == {"goodput_per_gpu": 6.0, "layout": "1p3d", "how": checked.how}
+    assert cell["winner"] == "colocated_chunked"
+
+
 def test_the_prompt_and_link_sweeps_read_their_shared_cell_from_one_simulation(monkeypatch):
     """The crossover prompt at the map's link is in both sweeps: simulated once, the same winner in both,
     and a winner that changes back along prompt length is worded stretch by stretch."""

@@ -42,9 +42,8 @@ def simulate_cell(base: DictConfig, gpus: int, prompt_len: int, output_len: int,
     result = plan(cell_config(base, prompt_len, output_len, slo, link_bw, stream), gpus, chunks, probe=2,
                   requests_per_worker=requests_per_worker, steps=steps, verify_requests_per_gpu=20)
     modes: dict[str, dict] = {}
-    for c in result["candidates"] + [result["best"], result["runner_up"]]:
-        if c is None:
-            continue
+    checked = {c.name: c for c in (result["best"], result["runner_up"]) if c is not None}
+    for c in (checked.get(c.name, c) for c in result["candidates"]):   # a layout checked at full scale: that value
         mode = MODE_OF.get(c.layout, MODES[2])
         if mode not in modes or c.goodput_per_gpu > modes[mode]["goodput_per_gpu"]:
             modes[mode] = {"goodput_per_gpu": c.goodput_per_gpu, "layout": c.name, "how": c.how}
