@@ -34,11 +34,11 @@ from experiments.sim.records import Attempt, Record
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, SimWorker
 from router.config import FaultConfig, RouterConfig
-from router.placement import never_fits, plan
+from router.load_index import LoadIndex
+from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import why_not_retry
 from workers.config import EngineConfig, blocks_for
-
 
 
 @dataclass
@@ -103,6 +103,8 @@ class Simulator:
         self.handles = [w.handle for w in self.workers]
         self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
                       for w in self.workers}
+        self.index = LoadIndex(self.handles, self.loads)    # None: plan() looks at every worker
+        self.sizes = pool_sizes(self.handles)
         self.prefill_policy = PREFILL_POLICIES[cfg.router.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.router.decode_policy]()
         self.pack = cfg.placement in ("pack", "strict_pack")
@@ -165,7 +167,7 @@ class Simulator:
         else:
             t = self.cfg.transfer
             fits = never_fits(self.mode, self.handles, n, mt, self.cfg.router.conditional_threshold,
-                              t.max_frame_bytes, t.max_pending_bytes)
+                              t.max_frame_bytes, t.max_pending_bytes, self.sizes)
             why = None if fits is None else f"can never fit: {fits}"
         if why is not None:
             return self._fail(rec, f"rejected: {why}")
@@ -176,7 +178,7 @@ class Simulator:
         if self.mode == "disaggregated":
             self._refresh_kv()
         chosen = plan(self.mode, self.handles, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
-                      self.cfg.router.conditional_threshold, self.pack)
+                      self.cfg.router.conditional_threshold, self.pack, self.index)
         if isinstance(chosen, str):
             return self._fail(rec, chosen)
         if chosen.note:
@@ -494,7 +496,3 @@ def _nodes(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
     bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
     bundles = assign_bundles(roles, bundle_nodes, placement)
     return [int(bundle_nodes[b]) for b in bundles]
-
-
-def token_array(rec: Record) -> np.ndarray:
-    return rec.token_times()
