@@ -20,6 +20,7 @@ time after its step (its parts were exported while it ran).
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.noise import Noise
 from experiments.sim.records import Attempt, Record
 from experiments.sim.transfer import STREAMS, Links
-from experiments.sim.worker import Handle, SimWorker
+from experiments.sim.worker import Handle, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
@@ -90,7 +91,7 @@ class Simulator:
         self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed)
         counts: dict[str, int] = {}
         self.workers: list[SimWorker] = []
-        nodes = _nodes(cfg.roles, cfg.gpus_per_node, cfg.placement)
+        nodes = nodes_of(cfg.roles, cfg.gpus_per_node, cfg.placement)
         for rank, role in enumerate(cfg.roles):
             index = counts.get(role, 0)
             counts[role] = index + 1
@@ -142,11 +143,16 @@ class Simulator:
                 raise ValueError(f"fault.kill_worker={f.kill_worker}: no such worker in this layout")
             self.push(f.kill_after_s, self._kill, victim)
         heap, pop = self.heap, heapq.heappop
-        while heap:
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
-            self.num_events += 1
+        thresholds = gc.get_threshold()
+        gc.set_threshold(100_000, 50, 100)     # a million live records: each collection scans them all
+        try:
+            while heap:
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                self.num_events += 1
+        finally:
+            gc.set_threshold(*thresholds)
         return list(self.records.values())
 
     # -- router: admission, dispatch, endings -------------------------------------------------------
@@ -482,17 +488,3 @@ class Simulator:
             if att.decode is w or lost_prompt:
                 att.rec.injected_fault = True
                 self._retry(att, reason, crashed=False)
-
-
-def _nodes(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
-    """The node of each rank: one host when gpus_per_node is 0, else bundles filled node by node (pack)
-    or dealt round-robin (spread), and ranks given to bundles as cluster/pool.py's assign_bundles does."""
-    if not gpus_per_node or len(roles) <= gpus_per_node:
-        return [0] * len(roles)
-    from cluster.pool import assign_bundles
-
-    num_nodes = -(-len(roles) // gpus_per_node)
-    spread = placement in ("spread", "strict_spread")
-    bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
-    bundles = assign_bundles(roles, bundle_nodes, placement)
-    return [int(bundle_nodes[b]) for b in bundles]
