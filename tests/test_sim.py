@@ -198,7 +198,7 @@ def test_features_read_the_scheduler_output():
     a.num_computed_tokens, a.num_out = 30, 1
     b.num_computed_tokens = 10
     out = s.schedule()                            # a decodes at context 30; b's next 39 tokens from 10
-    assert features(out) == (1, 30, 39, 1, 10, 39 * 10 + 39 * 40 // 2, 1)
+    assert features(out) == (1, 30, 39, 1, 10, 39 * 10 + 39 * 40 // 2, 1, 39 * 10)
 
 
 def test_engine_run_length_respects_waiting_prompts_and_blocks():
@@ -406,3 +406,15 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
     means = [abs(e) for k, e in line["errors"].items() if k.endswith("_mean")]
     assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
+
+
+def test_chunk_and_context_pairs_are_priced_apart():
+    """A chunk's attention pairs within itself and against the cache have coefficients of their own (a
+    profile before the split, six coefficients, prices both alike)."""
+    c = [1e-3, 0.0, 0.0, 1e-5, 0.0, 2e-8, 1e-8]
+    split, one = LinearStepModel(c), LinearStepModel(c[:6])
+    f = chunk_features(0, 0, [(64, 768, False)])
+    assert f[7] == 64 * 768 and f[5] == 64 * 768 + 64 * 65 // 2
+    assert split.time(f) == pytest.approx(1e-3 + 64 * 1e-5 + 64 * 65 // 2 * 2e-8 + 64 * 768 * 1e-8)
+    assert one.time(f) == pytest.approx(1e-3 + 64 * 1e-5 + f[5] * 2e-8)
+    assert split.terms[-2:] == ("chunk_pairs", "context_pairs") and one.terms[-1] == "prefill_pairs"

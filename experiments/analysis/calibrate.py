@@ -97,7 +97,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     pairs = sorted(steps_seen["decode"] + steps_seen["prefill"])
     slowdown = slowdown_curve(pairs, per_bin)
-    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]})
+    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
+                        terms=model.terms)
     residual = {k: [m / curve._slowed(p) for p, m in v] for k, v in steps_seen.items()}
     g0 = statistics.median(gaps) if gaps else model.gap(0)
     dispatch = [max(0.0, q - g0) for q in queues]
