@@ -295,7 +295,7 @@ class Simulator:
 
     def _wake(self, w: SimWorker) -> None:
         if w.state == "idle":
-            w.state = "start"
+            w.state, w.after_idle = "start", True
             self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
         elif w.state == "run":
             m = w.engine.cut_after(w.run, self.now)
@@ -346,13 +346,14 @@ class Simulator:
             w.state = "idle"
             return
         k = e.run_length()
+        cold, w.after_idle = w.after_idle, False
         if k >= 1:
-            run = e.start_run(t, k)
+            run = e.start_run(t, k, cold)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
-        sched, d = e.schedule()
+        sched, d = e.schedule(cold)
         if not sched:
             w.state = "idle"                        # nothing it can schedule until something changes
             return
@@ -380,7 +381,7 @@ class Simulator:
         for req, ready, last in exports:
             self._send_kv(w, req, ready, last)
         w.sched = None
-        self._next(w, t, len(sched.decodes) + len(sched.prefills))
+        self._next(w, t, len(sched.decodes) + len(sched.prefills), not done.tokens)
 
     def _run_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -423,10 +424,10 @@ class Simulator:
         w.delivered = float(at[-1])
         return at
 
-    def _next(self, w: SimWorker, t: float, num_seqs: int) -> None:
+    def _next(self, w: SimWorker, t: float, num_seqs: int, quiet: bool = False) -> None:
         if w.engine.has_work() or w.inbox or w.arrivals:
             w.state = "start"
-            self.push(t + w.engine.gap(num_seqs), self._step_start, w, w.version)
+            self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
         else:
             w.state = "idle"
 

@@ -88,6 +88,9 @@ class LinearStepModel:
     name: str = "profile"
     slowdown: dict | None = None           # {"pred_s": [...], "ratio": [...]}: serving / isolated, by step time
     terms: tuple | None = None             # None: LINEAR_TERMS, or ONE_PAIR_TERMS for six coefficients
+    gap_quiet: float | None = None         # the gap after a step that made no token (None: as any other)
+    after_idle: dict | None = None         # {"decode": x, "prefill": y}: a step that starts the worker from
+                                           # idle takes x (decode-only) or y (with prompt tokens) times longer
 
     kind = "linear"
 
@@ -123,7 +126,12 @@ class LinearStepModel:
         t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * (f[5] - f[7]) + c[6] * f[7]
         return t if self._slow is None else self._slowed(t)
 
-    def gap(self, num_seqs: int) -> float:
+    def idle_factor(self, kind: str) -> float:
+        return (self.after_idle or {}).get(kind, 1.0)
+
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
+        if quiet and self.gap_quiet is not None:
+            return self.gap_quiet
         return self._g0 + self._g1 * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
@@ -137,7 +145,7 @@ class LinearStepModel:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "terms": list(self.terms), "coef": list(self.coef),
                 "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
-                "slowdown": self.slowdown}
+                "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -165,6 +173,9 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
+
+    def idle_factor(self, kind: str) -> float:
+        return 1.0
 
     def __post_init__(self):
         for key in ("compute_eff", "mem_eff"):
@@ -194,7 +205,7 @@ class RooflineStepModel:
         flops, nbytes = self._cost(f)
         return self.overhead_s + max(flops / self._peak, nbytes / self._bw)
 
-    def gap(self, num_seqs: int) -> float:
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
         return self.gap_coef[0] + self.gap_coef[1] * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
@@ -272,7 +283,7 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
     if d.get("kind") == "linear":
         return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), float(d.get("scale", 1.0)),
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
-                               d.get("terms"))
+                               d.get("terms"), d.get("gap_quiet"), d.get("after_idle"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")

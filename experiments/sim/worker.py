@@ -41,6 +41,7 @@ class SimWorker:
     node: int = 0
     record_steps: bool = True
     state: str = "idle"
+    after_idle: bool = True                # the next step starts it from idle (experiments/sim/stepmodel.py)
     version: int = 0                       # bumped to void queued events of a cut run
     inbox: list = field(default_factory=list)
     arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
