@@ -9,8 +9,9 @@ none), the return latency (step end to the router) and the dispatch latency. `No
 by inverse transform, linear between quantiles, with its own seeded generator, so a simulation is
 deterministic for a seed. As many quantiles as values measured (up to MAX_QUANTILES): with 101 the
 top percent of draws spread evenly up to the largest value measured, so one 32 ms gap among 1,587
-became 1% of all gaps averaging 17 ms, and the table's mean gap (0.32 ms) was 2.4x its median. Without tables (a datasheet GPU, or noise=false) every draw
-is the table-free value: factor 1, the model's gap, the Costs' latencies.
+became 1% of all gaps averaging 17 ms, and the table's mean gap (0.32 ms) was 2.4x its median.
+Without tables (a datasheet GPU, or noise=false) every draw is the table-free value: factor 1, the
+model's gap, the Costs' latencies.
 
 The router receives a worker's steps in order (one poll stream per worker), so a token's arrival is
 never before the previous step's (`Noise.deliver`): a late message delays the steps behind it, which
