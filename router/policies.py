@@ -1,7 +1,9 @@
 """Which worker gets a request: small classes behind a name. Adding one touches this file only.
 
 The router keeps each worker's load from what it has assigned (exact and never stale):
-outstanding prompt tokens, running requests, and KV tokens held.
+outstanding prompt tokens, running requests, and KV tokens held. A policy that picks the least of
+something says what in `key(load)`; `choose` is the first worker with the least key, and
+router/load_index.py finds that same worker without looking at every one.
 """
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ class WorkerLoad:
     def kv_fraction(self) -> float:
         return self.kv_tokens / max(self.kv_capacity_tokens, 1)
 
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        watch = self.__dict__.get("_watch")
+        if watch is not None:                 # a LoadIndex keeps its order of the workers up to date
+            watch(self)
+
 
 class RoundRobin:
     def __init__(self):
@@ -31,19 +39,33 @@ class RoundRobin:
         return chosen
 
 
-class LeastPromptTokens:
+class _Least:
+    """The first of the loads with the least key(load)."""
+
+    @staticmethod
+    def key(w: WorkerLoad) -> tuple:
+        raise NotImplementedError
+
     def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
-        return min(loads, key=lambda w: (w.prompt_tokens, w.running))
+        return min(loads, key=self.key)
 
 
-class LeastKV:
-    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
-        return min(loads, key=lambda w: (w.kv_fraction, w.running))
+class LeastPromptTokens(_Least):
+    @staticmethod
+    def key(w: WorkerLoad) -> tuple:
+        return w.prompt_tokens, w.running
 
 
-class FewestRunning:
-    def choose(self, loads: list[WorkerLoad], prompt_len: int) -> WorkerLoad:
-        return min(loads, key=lambda w: (w.running, w.kv_fraction))
+class LeastKV(_Least):
+    @staticmethod
+    def key(w: WorkerLoad) -> tuple:
+        return w.kv_fraction, w.running
+
+
+class FewestRunning(_Least):
+    @staticmethod
+    def key(w: WorkerLoad) -> tuple:
+        return w.running, w.kv_fraction
 
 
 PREFILL_POLICIES = {"round_robin": RoundRobin, "least_prompt_tokens": LeastPromptTokens}

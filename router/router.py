@@ -37,6 +37,7 @@ from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
 from router.clock import WorkerClock, best_probe
 from router.config import FaultConfig, RouterConfig
+from router.load_index import LoadIndex
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import RequestRecord, StreamUpdate, why_not_retry
@@ -79,6 +80,7 @@ class Router:
         info = pool.workers[0].info
         self.vocab_size, self.max_model_len = info["vocab_size"], min(w.info["max_model_len"] for w in pool.workers)
         self.loads = {w.rank: WorkerLoad(w.name, w.info["num_kv_blocks"] * w.info["block_size"]) for w in pool.workers}
+        self.index = LoadIndex(pool.workers, self.loads)      # placement without looking at every worker
         self.prefill_policy = PREFILL_POLICIES[cfg.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.decode_policy]()
         self.records: dict[str, RequestRecord] = {}
@@ -250,7 +252,7 @@ class Router:
         prompt = rec.prompt_ids + rec.output_ids
         n, left = len(prompt), rec.max_tokens - len(rec.output_ids)
         chosen = plan(self.mode, self.pool.workers, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
-                      self.cfg.conditional_threshold, self.pool.cfg.placement in ("pack", "strict_pack"))
+                      self.cfg.conditional_threshold, self.pool.cfg.placement in ("pack", "strict_pack"), self.index)
         if isinstance(chosen, str):
             rec.injected_fault = rec.injected_fault or bool(self._killed)   # no worker left: the kills did it
             return self._fail(rec, chosen)

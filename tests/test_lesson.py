@@ -76,6 +76,56 @@ def test_no_figure_in_the_lesson_text_is_a_literal(module):
     assert not offenders, offenders
 
 
+def test_a_cell_takes_a_layout_s_full_scale_value_over_its_estimate(monkeypatch):
+    """The planner checks its best two layouts on the whole cluster and lowers one that misses there: the
+    cell's mode values and winner come from that check, not from the estimate it replaced."""
+    from experiments.analysis import decision_sim
+    from experiments.analysis.plan import Candidate
+
+    chunked = Candidate("colocated-chunked", 256, 8.0, "probe")
+    estimate = Candidate("1p3d", None, 9.0, "phases")
+    checked = Candidate("1p3d", None, 6.0, "full scale (the phases estimate 9/GPU missed: 80.0%)")
+    result = {"candidates": [Candidate("colocated-prefill_first", None, 5.0, "probe"), chunked, estimate,
+                             Candidate("2p2d", None, 4.0, "phases")],
+              "best": chunked, "runner_up": checked, "num_sims": 9, "costs": "fake"}
+    monkeypatch.setattr(decision_sim, "plan", lambda *a, **k: result)
+    monkeypatch.setattr(decision_sim, "cell_config", lambda *a, **k: None)
+    cell = decision_sim.simulate_cell(None, 4, 1024, 256, {}, 5e10, [256], 30, 3)
+    assert cell["modes"]["disaggregated"] == {"goodput_per_gpu": 6.0, "layout": "1p3d", "how": checked.how}
+    assert cell["winner"] == "colocated_chunked"
+
+
+def test_the_prompt_and_link_sweeps_read_their_shared_cell_from_one_simulation(monkeypatch):
+    """The crossover prompt at the map's link is in both sweeps: simulated once, the same winner in both,
+    and a winner that changes back along prompt length is worded stretch by stretch."""
+    from experiments.analysis import decision_sim
+    from experiments.lesson.when import _map_paragraph
+
+    calls = []
+
+    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off"):
+        calls.append((lp, lo, bw, stream))
+        disagg = lp == 1024 or (lp == 4096 and bw > 1e11)      # wins at 1,024, and at 4,096 only over NVLink
+        winner = "disaggregated" if disagg else "colocated_chunked"
+        return {"prompt_len": lp, "output_len": lo, "winner": winner, "modes": {}, "source": "fake", "num_sims": 1}
+
+    monkeypatch.setattr(decision_sim, "simulate_cell", fake_cell)
+    link_bws = [1e9, 5e10, 4.5e11]
+    out = decision_sim.simulated_map(None, 4, [512, 1024, 2048, 4096], [256], {"tight": {"ttft_ms": 1, "tpot_ms": 1}},
+                                     5e10, link_bws, 256, 4096, [256], stream="layer")["tight"]
+    assert len(calls) == len(set(calls))                     # no cell simulated twice
+    assert calls.count((4096, 256, 5e10, "layer")) == 1
+    bp, bl = out["by_prompt"], out["by_link"]
+    assert bp["winners"][bp["prompt_lens"].index(4096)] == bl["winners"][bl["link_bws"].index(5e10)] \
+        == "colocated_chunked"
+    assert [r["winner"] for r in bp["runs"]] == ["colocated_chunked", "disaggregated", "colocated_chunked"]
+    assert bp["crossover_prompt_len"] == 1024
+    text = _map_paragraph("tight", out, {"crossover_output_len": 256, "crossover_prompt_len": 4096})
+    assert "disaggregated from there" not in text
+    assert "colocated chunked at 512, disaggregated at 1024, colocated chunked at 2048-4096 prompt tokens" in text
+    assert "disaggregation wins only above 50.0 GB/s" in text
+
+
 @pytest.mark.slow
 def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     out = tmp_path / "lesson"

@@ -198,7 +198,7 @@ def test_features_read_the_scheduler_output():
     a.num_computed_tokens, a.num_out = 30, 1
     b.num_computed_tokens = 10
     out = s.schedule()                            # a decodes at context 30; b's next 39 tokens from 10
-    assert features(out) == (1, 30, 39, 1, 10, 39 * 10 + 39 * 40 // 2, 1)
+    assert features(out) == (1, 30, 39, 1, 10, 39 * 10 + 39 * 40 // 2, 1, 39 * 10)
 
 
 def test_engine_run_length_respects_waiting_prompts_and_blocks():
@@ -406,3 +406,59 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
     means = [abs(e) for k, e in line["errors"].items() if k.endswith("_mean")]
     assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
+
+
+def test_chunk_and_context_pairs_are_priced_apart():
+    """A chunk's attention pairs within itself and against the cache have coefficients of their own (a
+    profile before the split, six coefficients, prices both alike)."""
+    c = [1e-3, 0.0, 0.0, 1e-5, 0.0, 2e-8, 1e-8]
+    split, one = LinearStepModel(c), LinearStepModel(c[:6])
+    f = chunk_features(0, 0, [(64, 768, False)])
+    assert f[7] == 64 * 768 and f[5] == 64 * 768 + 64 * 65 // 2
+    assert split.time(f) == pytest.approx(1e-3 + 64 * 1e-5 + 64 * 65 // 2 * 2e-8 + 64 * 768 * 1e-8)
+    assert one.time(f) == pytest.approx(1e-3 + 64 * 1e-5 + f[5] * 2e-8)
+    assert split.terms[-2:] == ("chunk_pairs", "context_pairs") and one.terms[-1] == "prefill_pairs"
+
+
+def test_noise_tables_keep_the_mean_of_a_sample_with_one_outlier():
+    """One 250x outlier among 1,587 values: drawing from its quantiles keeps the sample's mean within
+    10%; 101 quantiles, linear up to the outlier, had doubled it."""
+    import numpy as np
+
+    from experiments.sim.noise import Noise, quantiles
+
+    values = [1.0 + 1e-5 * i for i in range(1586)] + [250.0]
+    mean = float(np.mean(values))
+    draws = Noise({"gap": quantiles(values)}, seed=1).latencies("gap", 0.0, 400_000)
+    assert abs(draws.mean() / mean - 1) < 0.1
+    coarse = Noise({"gap": list(np.percentile(values, np.arange(101)))}, seed=1).latencies("gap", 0.0, 400_000)
+    assert coarse.mean() > 1.5 * mean
+
+
+def test_calibration_recovers_the_idle_and_quiet_costs_a_simulated_run_was_given(tmp_path):
+    """A run simulated with known costs (a step from idle 1.5x or 1.3x slower, a 40 us gap after a step
+    that makes no token, 130 us after others, no noise) written as a real run's files; calibrating the
+    profile's isolated model on them gives those costs back."""
+    import json
+    import subprocess
+    import sys
+
+    from experiments.analysis.calibrate import calibrate
+    from experiments.sim.stepmodel import model_from_dict
+    from tests.conftest import ROOT
+
+    prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
+    prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
+                       "after_idle": {"decode": 1.5, "prefill": 1.3}, "slowdown": None, "noise": None}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={path}",
+                           "workload.num_requests=60", "report=false", f"hydra.run.dir={run}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cal = calibrate([run], model_from_dict(prof["step_model"] | {"gap_coef": prof["gap"]["gap_coef"]}))
+    assert cal["after_idle"]["prefill"] == pytest.approx(1.3, rel=0.05)
+    assert cal["after_idle"]["decode"] == pytest.approx(1.5, rel=0.05)
+    assert cal["gap_quiet_s"] == pytest.approx(40e-6, rel=0.05) and cal["gap_s"] == pytest.approx(130e-6, rel=0.1)
+    assert cal["num"]["quiet_gaps"] > 50 and min(cal["num"]["after_idle_steps"].values()) >= 20

@@ -9,17 +9,26 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
 - dispatch_s: over requests whose worker was idle when they arrived (no step of it in flight, none
   due), the median time from their arrival to their first step's start (ttft - prefill), less the
   host gap: the router's submit reaching the worker's loop;
-- gap_coef: the host time between two steps of a busy worker (its previous step left work): the
-  median gap, as g0, with the profile's per-sequence slope g1 kept;
+- gap_coef: the host time between two steps of a busy worker (its previous step left work) after a
+  step that made tokens: the median gap, as g0, with the profile's per-sequence slope g1 kept;
+  gap_quiet_s: the median after a step that made none (a chunk that leaves its prompt unfinished:
+  half of g0 here, as the worker loop then has no token to post);
 - slowdown: how much longer a step takes while serving than the profile predicts, as a function of
   the predicted time: over the steps whose features the records determine (decode-only steps: batch
   from num_decode_seqs, their cached tokens from num_blocks_used, the blocks every running decode
   holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
   prefill_first or prefill workers: one chunk from token 0), the median measured / predicted per bin
-  of predicted time, made non-decreasing. On a shared CPU a long step is interrupted more often
-  than a short one, so it is slowed more;
+  of predicted time, made non-decreasing, over steps of a busy worker. On a shared CPU a long step
+  is interrupted more often than a short one, so it is slowed more;
+- after_idle: how much longer again a step takes that starts a worker from idle (its first, or one
+  after a step that left it nothing to do): the median measured / (predicted x slowdown) over those,
+  decode-only and prefill steps apart (1.0 with fewer than `per_bin`). Such a step is slow here (a
+  64-token first chunk ran 22-31% over the profile where the chunks after it ran 1-9% under, a decode
+  worker's first step after idle 45-49% over): a curve by predicted time alone spread that over
+  every step of its length;
 - noise: the quantiles of each of these (experiments/sim/noise.py), for the simulator to draw from;
-  steps as measured / (predicted x slowdown), decode-only and prefill apart;
+  steps as measured / (predicted x slowdown x after_idle where it applies), decode-only and prefill
+  apart;
 - other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
   the calibration holds for (on a shared machine a run made while others used more CPU is slower).
 
@@ -28,6 +37,7 @@ its own calibration run with its own seed.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from pathlib import Path
@@ -65,27 +75,31 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 
 
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
-    returns, queues, gaps, others = [], [], [], []
-    steps_seen = {"decode": [], "prefill": []}              # (predicted, measured) seconds
+    returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
+    steps_seen = {"decode": [], "prefill": []}              # (predicted, measured seconds, after idle)
     for ident, rows, steps in (x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
         if ident["machine"].get("other_cores") is not None:
             others.append(ident["machine"]["other_cores"])
         whole = ident.get("mode") == "disaggregated" or ident.get("policy") == "prefill_first"
         for worker, ss in workers.items():
+            idle = after_idle(ss)
+            made = token_steps(rows, worker, ss)
             for cur, nxt in zip(ss, ss[1:]):
                 if (cur["num_running"] or cur["num_waiting"]) and not worker.startswith("prefill"):
-                    gaps.append(nxt["start_s"] - cur["end_s"])
+                    (gaps if id(cur) in made else quiet_gaps).append(nxt["start_s"] - cur["end_s"])
             for s in ss:
                 measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
-                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured))
+                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, id(s) in idle))
                 elif p and not b and s["num_prefill_seqs"] == 1 and (whole or worker.startswith("prefill")):
-                    steps_seen["prefill"].append((model.time(chunk_features(0, 0, [(p, 0, True)])), measured))
-        if not whole:
-            steps_seen["prefill"] += chunk_steps(rows, workers, model, block_size)
+                    f = chunk_features(0, 0, [(p, 0, True)])
+                    steps_seen["prefill"].append((model.time(f), measured, id(s) in idle))
+            if not whole:
+                steps_seen["prefill"] += [(p, m, id(s) in idle) for p, m, s in chunk_steps(rows, {worker: ss}, model,
+                                                                                            block_size)]
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
                 continue
@@ -95,26 +109,56 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 queues.append(r["ttft_s"] - r["prefill_s"])
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
-    pairs = sorted(steps_seen["decode"] + steps_seen["prefill"])
-    slowdown = slowdown_curve(pairs, per_bin)
-    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]})
-    residual = {k: [m / curve._slowed(p) for p, m in v] for k, v in steps_seen.items()}
+    busy = sorted((p, m) for v in steps_seen.values() for p, m, cold in v if not cold)
+    slowdown = slowdown_curve(busy, per_bin)
+    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
+                        terms=model.terms)
+    cold = {k: [m / curve._slowed(p) for p, m, c in v if c] for k, v in steps_seen.items()}
+    after = {k: statistics.median(v) if len(v) >= per_bin else 1.0 for k, v in cold.items()}
+    residual = {k: [m / curve._slowed(p) / (after[k] if c else 1.0) for p, m, c in v] for k, v in steps_seen.items()}
     g0 = statistics.median(gaps) if gaps else model.gap(0)
     dispatch = [max(0.0, q - g0) for q in queues]
     noise = {"decode": quantiles(residual["decode"], normalise=True),
              "prefill": quantiles(residual["prefill"], normalise=True) if residual["prefill"] else None,
-             "gap": quantiles(gaps) if gaps else None, "return": quantiles(returns),
-             "dispatch": quantiles(dispatch) if dispatch else None}
+             "gap": quantiles(gaps) if gaps else None, "gap_quiet": quantiles(quiet_gaps) if quiet_gaps else None,
+             "return": quantiles(returns), "dispatch": quantiles(dispatch) if dispatch else None}
     return {"return_s": statistics.median(returns),
             "dispatch_s": statistics.median(dispatch) if dispatch else 0.0, "gap_s": g0,
-            "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "noise": noise,
+            "gap_quiet_s": statistics.median(quiet_gaps) if quiet_gaps else None,
+            "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "after_idle": after, "noise": noise,
             "other_cores": statistics.median(others) if others else None,
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
-                    "decode_steps": len(steps_seen["decode"]), "prefill_steps": len(steps_seen["prefill"])}}
+                    "quiet_gaps": len(quiet_gaps), "decode_steps": len(steps_seen["decode"]),
+                    "prefill_steps": len(steps_seen["prefill"]),
+                    "after_idle_steps": {k: len(v) for k, v in cold.items()}}}
 
 
-def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list[tuple[float, float]]:
-    """(predicted, measured) of a chunked run's steps that carried one prompt chunk: a request's chunks
+def after_idle(ss: list[dict]) -> set[int]:
+    """ids of a worker's steps that start it from idle: its first, and each after a step that left it
+    no work (nothing running, nothing waiting)."""
+    out = {id(ss[0])} if ss else set()
+    for cur, nxt in zip(ss, ss[1:]):
+        if not (cur["num_running"] or cur["num_waiting"]):
+            out.add(id(nxt))
+    return out
+
+
+def token_steps(rows: list[dict], worker: str, ss: list[dict]) -> set[int]:
+    """ids of a worker's steps that made a token: any with decodes, and those whose end is a request's
+    first token there (arrival + ttft_s, the router's clock, as steps.jsonl's). A chunk that leaves its
+    prompt unfinished makes none, and the worker loop has less to do after it (no token to post)."""
+    firsts = sorted(r["arrival_s"] + r["ttft_s"] for r in rows
+                    if r.get("ttft_s") is not None and r.get("prefill_worker") == worker)
+    out = set()
+    for s in ss:
+        i = bisect.bisect_left(firsts, s["end_s"] - 1e-4)
+        if s["num_decode_seqs"] or (i < len(firsts) and abs(firsts[i] - s["end_s"]) <= 1e-4):
+            out.add(id(s))
+    return out
+
+
+def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list[tuple[float, float, dict]]:
+    """(predicted, measured, step) of a chunked run's steps that carried one prompt chunk: a request's chunks
     are its worker's steps up to the one that made its first token (ending at its arrival + ttft_s,
     both on the router's clock); where each carried one chunk and their tokens add up
     to the prompt, they are all its own, in order, so each one's start in the prompt is known."""
@@ -139,7 +183,7 @@ def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list
             n, b = s["num_prefill_tokens"], s["num_decode_seqs"]
             context = max(0, s["num_blocks_used"] * block_size - (start + n) - b * block_size // 2) if b else 0
             f = chunk_features(b, context, [(n, start, start + n == r["prompt_len"])])
-            out.append((model.time(f), s["end_s"] - s["start_s"]))
+            out.append((model.time(f), s["end_s"] - s["start_s"], s))
             start += n
     return out
 

@@ -42,9 +42,8 @@ def simulate_cell(base: DictConfig, gpus: int, prompt_len: int, output_len: int,
     result = plan(cell_config(base, prompt_len, output_len, slo, link_bw, stream), gpus, chunks, probe=2,
                   requests_per_worker=requests_per_worker, steps=steps, verify_requests_per_gpu=20)
     modes: dict[str, dict] = {}
-    for c in result["candidates"] + [result["best"], result["runner_up"]]:
-        if c is None:
-            continue
+    checked = {c.name: c for c in (result["best"], result["runner_up"]) if c is not None}
+    for c in (checked.get(c.name, c) for c in result["candidates"]):   # a layout checked at full scale: that value
         mode = MODE_OF.get(c.layout, MODES[2])
         if mode not in modes or c.goodput_per_gpu > modes[mode]["goodput_per_gpu"]:
             modes[mode] = {"goodput_per_gpu": c.goodput_per_gpu, "layout": c.name, "how": c.how}
@@ -59,9 +58,11 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
                   link_bw: float, link_bws: list[float], crossover_output_len: int, crossover_prompt_len: int,
                   chunks: list[int], requests_per_worker: int = 60, steps: int = 4, stream: str = "off") -> dict:
     """Per SLO: the grid of cells (KV moved as `stream` says), the winners along prompt length at
-    `crossover_output_len` (read off the grid when it has that output length) and along link bandwidth
-    at the crossover shape, and for each of STREAMS the least link bandwidth tried at which
-    disaggregation wins there (None: at none)."""
+    `crossover_output_len` (read off the grid when it has that output length; `crossover_prompt_len`
+    is where the winner first changes, `runs` every stretch of one winner, as it may change more than
+    once) and along link bandwidth at the crossover shape, and for each of STREAMS the least link
+    bandwidth tried at which disaggregation wins there (None: at none). A cell both sweeps hold (the
+    crossover prompt at `link_bw`) is simulated once and read by both, so they agree on it."""
     out = {}
     for name, slo in slos.items():
         seen: dict = {}                     # a cell asked for twice (the grid's and a link sweep's) is simulated once
@@ -76,6 +77,12 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
               [cell(lp, crossover_output_len) for lp in prompt_lens]
         winners = [c["winner"] for c in row]
         change = next((row[i]["prompt_len"] for i in range(1, len(row)) if winners[i] != winners[i - 1]), None)
+        runs: list[dict] = []               # the winner along prompt length, a run of equal winners each
+        for c in row:
+            if runs and runs[-1]["winner"] == c["winner"]:
+                runs[-1]["to"] = c["prompt_len"]
+            else:
+                runs.append({"winner": c["winner"], "from": c["prompt_len"], "to": c["prompt_len"]})
         by_stream = {how: [cell(crossover_prompt_len, crossover_output_len, bw, how)["winner"] for bw in sorted(link_bws)]
                      for how in STREAMS}
         lw = by_stream[stream] if stream in by_stream else \
@@ -84,7 +91,7 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
         below = [sorted(link_bws)[i] for i in range(last) if lw[i] != MODES[2]]
         out[name] = {"slo": dict(slo), "grid": grid,
                      "by_prompt": {"prompt_lens": [c["prompt_len"] for c in row], "winners": winners,
-                                   "crossover_prompt_len": change},
+                                   "crossover_prompt_len": change, "runs": runs},
                      "by_link": {"link_bws": sorted(link_bws), "winners": lw,
                                  "crossover_link_bw": below[-1] if below else None},
                      "least_link_bw": {how: next((bw for bw, w in zip(sorted(link_bws), ws) if w == MODES[2]), None)

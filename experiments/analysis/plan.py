@@ -39,7 +39,7 @@ class FreeStep:
     def time(self, f) -> float:
         return 1e-6
 
-    def gap(self, num_seqs: int) -> float:
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
         return 0.0
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:

@@ -327,6 +327,44 @@ def run(cfg, out_dir: Path) -> dict:
     return prof
 
 
+def refit(cfg) -> dict:
+    """refit=true: the profile at `out` (default: this machine's for the model, dtype and threads) with its
+    step model fitted again to the samples it holds (nothing is measured again: a new model form reads
+    the old measurements), and its serving calibration redone from `calibration.run_dir` (a calibration
+    run made with experiments.run, the profile's calibration settings) when one is given."""
+    from experiments.analysis.calibrate import calibrate
+    from workers.weights import parse_device, resolve_dtype
+
+    started = time.time()
+    if cfg.out:
+        path = Path(cfg.out)
+    else:
+        dname = str(resolve_dtype(cfg.dtype, parse_device(cfg.device))).removeprefix("torch.")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        path = profile_path(cfg.model.name, dname, cfg.threads or max(1, cores // 2))
+    prof = json.loads(path.read_text())
+    samples = {(c["batch"], c["context"], c["chunk"], c["start"]): c["samples_s"] for c in prof["grid"]["cells"]}
+    steps = fit_steps(samples)
+    gap_coef = prof["gap"]["gap_coef"]
+    prof["step_model"] = LinearStepModel(steps["coef"], gap_coef, name=prof["step_model"]["name"]).to_dict()
+    prof["fit_error"], prof["grid"]["cells"] = steps["fit_error"], steps["cells"]
+    prof["refitted"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    e = steps["fit_error"]
+    print(f"steps refitted to the profile's {len(samples)} cells: fit error median {e['median_abs']:.1%}, p90 "
+          f"{e['p90_abs']:.1%}")
+    run_dir = cfg.calibration.get("run_dir")
+    if run_dir:
+        cal = calibrate([Path(run_dir)], LinearStepModel(steps["coef"], gap_coef))
+        prof["serving"] = cal | {"source": f"calibration run {run_dir} (python -m experiments.run seed="
+                                           f"{cfg.calibration.seed}, three layouts, {cfg.calibration.num_requests} "
+                                           f"requests at {cfg.calibration.rate}/s)"}
+        print(f"serving calibrated from {run_dir} (other processes used {cal['other_cores'] or 0:.2f} cores)")
+    elif prof.get("serving"):
+        print("warning: the serving calibration was made against the old step model; give calibration.run_dir")
+    path.write_text(json.dumps(prof, indent=1))
+    return prof | {"path": str(path), "elapsed_s": time.time() - started}
+
+
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -334,7 +372,7 @@ def main() -> None:
     @hydra.main(version_base=None, config_path=str(ROOT / "conf"), config_name="profile")
     def app(cfg) -> None:
         try:
-            prof = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+            prof = refit(cfg) if cfg.refit else run(cfg, Path(HydraConfig.get().runtime.output_dir))
         except (ValueError, RuntimeError) as e:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             sys.exit(2)

@@ -109,7 +109,8 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
         cfg.pop("hydra", None)
         profile = profile_for(parse(cfg))
     prof = json.loads(Path(profile).read_text())
-    cal = calibrate([Path(run_dir)], LinearStepModel(prof["step_model"]["coef"], prof["gap"]["gap_coef"]))
+    step = prof["step_model"]
+    cal = calibrate([Path(run_dir)], LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms")))
     return cal | {"source": f"recalibrated from {run_dir}"}
 
 

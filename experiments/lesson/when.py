@@ -66,6 +66,17 @@ def _link_saving(prompt_len: int, least: dict | None) -> str:
             f"streamed layer by layer: overlap lets a link {num(off / layer)}x slower do")
 
 
+def _runs(bp: dict) -> list[dict]:
+    """Stretches of one winner along prompt length (for results written before decision_sim kept them)."""
+    runs: list[dict] = []
+    for lp, w in zip(bp["prompt_lens"], bp["winners"]):
+        if runs and runs[-1]["winner"] == w:
+            runs[-1]["to"] = lp
+        else:
+            runs.append({"winner": w, "from": lp, "to": lp})
+    return runs
+
+
 def _wins(cells: list[dict]) -> dict:
     wins: dict = {}
     for c in cells:
@@ -78,13 +89,18 @@ def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
     share = ", ".join(f"{name(k)} {v} of {len(cells)} cells"
                       for k, v in sorted(_wins(cells).items(), key=lambda kv: -kv[1]))
     bp, bl = s["by_prompt"], s["by_link"]
-    if bp["crossover_prompt_len"] is None:
-        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][0])} wins at every prompt "
-                  f"length from {bp['prompt_lens'][0]} to {bp['prompt_lens'][-1]} (no crossover)")
+    runs = bp.get("runs") or _runs(bp)
+    at = f"at {est['crossover_output_len']}-token outputs"
+    if len(runs) == 1:
+        prompt = (f"{at} {name(runs[0]['winner'])} wins at every prompt length from {bp['prompt_lens'][0]} to "
+                  f"{bp['prompt_lens'][-1]} (no crossover)")
+    elif len(runs) == 2:
+        prompt = (f"{at} {name(runs[0]['winner'])} wins below {runs[1]['from']} prompt tokens and "
+                  f"{name(runs[1]['winner'])} from there")
     else:
-        k = bp["prompt_lens"].index(bp["crossover_prompt_len"])
-        prompt = (f"at {est['crossover_output_len']}-token outputs {name(bp['winners'][k - 1])} wins below "
-                  f"{bp['crossover_prompt_len']} prompt tokens and {name(bp['winners'][k])} from there")
+        spans = ", ".join(f"{name(r['winner'])} at {r['from']}" + ("" if r["to"] == r["from"] else f"-{r['to']}")
+                          for r in runs)
+        prompt = f"{at} the winner changes {len(runs) - 1} times along prompt length: {spans} prompt tokens"
     if bl["crossover_link_bw"] is not None:
         link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins only above "
                 f"{num(bl['crossover_link_bw'] / 1e9)} GB/s: at or below it the KV transfer eats the gain")

@@ -65,6 +65,7 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
     if serving:
         step["slowdown"] = serving.get("slowdown")
         step["gap_coef"] = [serving.get("gap_s", step["gap_coef"][0]), step["gap_coef"][1]]
+        step["gap_quiet"], step["after_idle"] = serving.get("gap_quiet_s"), serving.get("after_idle")
     model = model_from_dict(step)
     check_finite(model)
     transfers = prof.get("transfer", {})

@@ -129,21 +129,28 @@ class SimEngine:
         return self.scheduler.has_work()
 
     # -- one scheduled step ----------------------------------------------------------------------
-    def schedule(self) -> tuple[SchedulerOutput, float]:
-        """The real scheduler's next step and its modelled duration (0.0 for an empty step)."""
+    def schedule(self, after_idle: bool = False) -> tuple[SchedulerOutput, float]:
+        """The real scheduler's next step and its modelled duration (0.0 for an empty step); a step that
+        starts the worker from idle takes the model's `after_idle` times longer."""
         sched = self.scheduler.schedule()
         if not sched:
             return sched, 0.0
         d = self.model.time(features(sched))
+        kind = "prefill" if sched.prefills else "decode"
+        if after_idle and hasattr(self.model, "idle_factor"):
+            d *= self.model.idle_factor(kind)
         if self.noise is not None:
-            d *= self.noise.factor("prefill" if sched.prefills else "decode")
+            d *= self.noise.factor(kind)
         return sched, d
 
-    def gap(self, num_seqs: int) -> float:
-        """Host time after a step of `num_seqs` sequences, before the next step starts."""
-        g = self.model.gap(num_seqs)
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
+        """Host time after a step of `num_seqs` sequences (`quiet`: it made no token), before the next
+        step starts."""
+        g = self.model.gap(num_seqs, quiet)
         if self.noise is not None:
-            g += self.noise.latency("gap", self.model.gap(0)) - self.model.gap(0)
+            kind = "gap_quiet" if quiet and "gap_quiet" in self.noise.tables else "gap"
+            base = self.model.gap(0, kind == "gap_quiet")
+            g += self.noise.latency(kind, base) - base
         return g
 
     def finish(self, sched: SchedulerOutput, start: float, end: float) -> StepDone:
@@ -224,12 +231,14 @@ class SimEngine:
             need += max(0, blocks_for(r.num_computed_tokens + steps, bs) - len(r.block_ids))
         return need
 
-    def start_run(self, start: float, k: int) -> DecodeRun:
+    def start_run(self, start: float, k: int, after_idle: bool = False) -> DecodeRun:
         reqs = list(self.scheduler.running)
         b = len(reqs)
         computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b)
         blocks0 = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=b)
         d = self.model.decode_run(b, int(computed.sum()), k)
+        if after_idle and hasattr(self.model, "idle_factor"):
+            d[0] *= self.model.idle_factor("decode")
         gap = np.full(k, self.model.gap(b))
         if self.noise is not None:
             d = d * self.noise.factors("decode", k)

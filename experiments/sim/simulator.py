@@ -20,6 +20,7 @@ time after its step (its parts were exported while it ran).
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -32,13 +33,13 @@ from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.noise import Noise
 from experiments.sim.records import Attempt, Record
 from experiments.sim.transfer import STREAMS, Links
-from experiments.sim.worker import Handle, SimWorker
+from experiments.sim.worker import Handle, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
-from router.placement import never_fits, plan
+from router.load_index import LoadIndex
+from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import why_not_retry
 from workers.config import EngineConfig, blocks_for
-
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Simulator:
         self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed)
         counts: dict[str, int] = {}
         self.workers: list[SimWorker] = []
-        nodes = _nodes(cfg.roles, cfg.gpus_per_node, cfg.placement)
+        nodes = nodes_of(cfg.roles, cfg.gpus_per_node, cfg.placement)
         for rank, role in enumerate(cfg.roles):
             index = counts.get(role, 0)
             counts[role] = index + 1
@@ -103,6 +104,8 @@ class Simulator:
         self.handles = [w.handle for w in self.workers]
         self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
                       for w in self.workers}
+        self.index = LoadIndex(self.handles, self.loads)    # None: plan() looks at every worker
+        self.sizes = pool_sizes(self.handles)
         self.prefill_policy = PREFILL_POLICIES[cfg.router.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.router.decode_policy]()
         self.pack = cfg.placement in ("pack", "strict_pack")
@@ -140,11 +143,16 @@ class Simulator:
                 raise ValueError(f"fault.kill_worker={f.kill_worker}: no such worker in this layout")
             self.push(f.kill_after_s, self._kill, victim)
         heap, pop = self.heap, heapq.heappop
-        while heap:
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
-            self.num_events += 1
+        thresholds = gc.get_threshold()
+        gc.set_threshold(100_000, 50, 100)     # a million live records: each collection scans them all
+        try:
+            while heap:
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                self.num_events += 1
+        finally:
+            gc.set_threshold(*thresholds)
         return list(self.records.values())
 
     # -- router: admission, dispatch, endings -------------------------------------------------------
@@ -165,7 +173,7 @@ class Simulator:
         else:
             t = self.cfg.transfer
             fits = never_fits(self.mode, self.handles, n, mt, self.cfg.router.conditional_threshold,
-                              t.max_frame_bytes, t.max_pending_bytes)
+                              t.max_frame_bytes, t.max_pending_bytes, self.sizes)
             why = None if fits is None else f"can never fit: {fits}"
         if why is not None:
             return self._fail(rec, f"rejected: {why}")
@@ -176,7 +184,7 @@ class Simulator:
         if self.mode == "disaggregated":
             self._refresh_kv()
         chosen = plan(self.mode, self.handles, self.loads, self.prefill_policy, self.decode_policy, n, n + left,
-                      self.cfg.router.conditional_threshold, self.pack)
+                      self.cfg.router.conditional_threshold, self.pack, self.index)
         if isinstance(chosen, str):
             return self._fail(rec, chosen)
         if chosen.note:
@@ -287,7 +295,7 @@ class Simulator:
 
     def _wake(self, w: SimWorker) -> None:
         if w.state == "idle":
-            w.state = "start"
+            w.state, w.after_idle = "start", True
             self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
         elif w.state == "run":
             m = w.engine.cut_after(w.run, self.now)
@@ -338,13 +346,14 @@ class Simulator:
             w.state = "idle"
             return
         k = e.run_length()
+        cold, w.after_idle = w.after_idle, False
         if k >= 1:
-            run = e.start_run(t, k)
+            run = e.start_run(t, k, cold)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
-        sched, d = e.schedule()
+        sched, d = e.schedule(cold)
         if not sched:
             w.state = "idle"                        # nothing it can schedule until something changes
             return
@@ -372,7 +381,7 @@ class Simulator:
         for req, ready, last in exports:
             self._send_kv(w, req, ready, last)
         w.sched = None
-        self._next(w, t, len(sched.decodes) + len(sched.prefills))
+        self._next(w, t, len(sched.decodes) + len(sched.prefills), not done.tokens)
 
     def _run_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -415,10 +424,10 @@ class Simulator:
         w.delivered = float(at[-1])
         return at
 
-    def _next(self, w: SimWorker, t: float, num_seqs: int) -> None:
+    def _next(self, w: SimWorker, t: float, num_seqs: int, quiet: bool = False) -> None:
         if w.engine.has_work() or w.inbox or w.arrivals:
             w.state = "start"
-            self.push(t + w.engine.gap(num_seqs), self._step_start, w, w.version)
+            self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
         else:
             w.state = "idle"
 
@@ -480,21 +489,3 @@ class Simulator:
             if att.decode is w or lost_prompt:
                 att.rec.injected_fault = True
                 self._retry(att, reason, crashed=False)
-
-
-def _nodes(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
-    """The node of each rank: one host when gpus_per_node is 0, else bundles filled node by node (pack)
-    or dealt round-robin (spread), and ranks given to bundles as cluster/pool.py's assign_bundles does."""
-    if not gpus_per_node or len(roles) <= gpus_per_node:
-        return [0] * len(roles)
-    from cluster.pool import assign_bundles
-
-    num_nodes = -(-len(roles) // gpus_per_node)
-    spread = placement in ("spread", "strict_spread")
-    bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
-    bundles = assign_bundles(roles, bundle_nodes, placement)
-    return [int(bundle_nodes[b]) for b in bundles]
-
-
-def token_array(rec: Record) -> np.ndarray:
-    return rec.token_times()

@@ -8,15 +8,20 @@ A step's features (`features` reads them off a SchedulerOutput in one pass over 
   prefill_context  tokens cached before each chunk, summed (the KV a later chunk reads)
   prefill_pairs    the chunks' attention (query, key) pairs: n*s + n*(n+1)/2 for n tokens from s
   logit_rows       rows whose logits are computed: each decode, and each chunk that ends its prompt
+  context_pairs    of those pairs, the ones against the KV cached before the chunk: n*s
 
 Two models give a step's duration (what steps.jsonl records: start to end of the model's work) and the
 host time between two steps of one worker (scheduling, post-processing, the worker loop):
 
 - `LinearStepModel`, fitted to a profile of the device at hand (experiments/analysis/profile.py):
-  t = c . [1, num_decode, decode_context, prefill_tokens, num_prefill, prefill_pairs], every
-  coefficient >= 0; a calibrated profile adds `slowdown`, how much longer a step of that predicted
-  time took while serving than in isolation (experiments/analysis/calibrate.py), interpolated in
-  log time.
+  t = c . [1, num_decode, decode_context, prefill_tokens, num_prefill, chunk_pairs, context_pairs],
+  every coefficient >= 0, chunk_pairs = prefill_pairs - context_pairs (the causal pairs within the
+  chunk). The two kinds of attention pair cost differently: in the profile here a pair against the
+  cache cost 0.66x one within the chunk, and one coefficient for both (profiles before this split,
+  still read: terms ending in prefill_pairs) priced a 64-token chunk from token 768 13-18% over its
+  measured time, as it was fitted mostly to long chunks from token 0. A calibrated profile adds
+  `slowdown`, how much longer a step of that predicted time took while serving than in isolation
+  (experiments/analysis/calibrate.py), interpolated in log time.
 - `RooflineStepModel`, for a datasheet GPU: t = overhead + max(flops / (peak * compute_eff),
   bytes / (mem_bw * mem_eff)), with FLOPs and bytes counted as experiments/analysis/roofline.py counts
   them (its docstring), generalised to chunks that start past token 0 (they read the KV before them).
@@ -37,8 +42,10 @@ from experiments.analysis.roofline import HARDWARE, Hardware, matmul_params
 from workers.config import ModelConfig
 
 FEATURES = ("num_decode", "decode_context", "prefill_tokens", "num_prefill", "prefill_context",
-            "prefill_pairs", "logit_rows")
-LINEAR_TERMS = ("const", "num_decode", "decode_context", "prefill_tokens", "num_prefill", "prefill_pairs")
+            "prefill_pairs", "logit_rows", "context_pairs")
+LINEAR_TERMS = ("const", "num_decode", "decode_context", "prefill_tokens", "num_prefill", "chunk_pairs",
+                "context_pairs")
+ONE_PAIR_TERMS = ("const", "num_decode", "decode_context", "prefill_tokens", "num_prefill", "prefill_pairs")
 
 
 def features(sched) -> tuple:
@@ -47,14 +54,15 @@ def features(sched) -> tuple:
     decode_context = 0
     for c in sched.decodes:
         decode_context += c.request.num_computed_tokens
-    tokens = context = pairs = ends = 0
+    tokens = context = pairs = ends = cached = 0
     for c in sched.prefills:
         n, s = c.num_tokens, c.request.num_computed_tokens
         tokens += n
         context += s
         pairs += n * s + n * (n + 1) // 2
+        cached += n * s
         ends += s + n == c.request.num_tokens
-    return (num_decode, decode_context, tokens, len(sched.prefills), context, pairs, num_decode + ends)
+    return (num_decode, decode_context, tokens, len(sched.prefills), context, pairs, num_decode + ends, cached)
 
 
 def chunk_features(num_decode: int, decode_context: int, chunks: list[tuple[int, int, bool]]) -> tuple:
@@ -63,14 +71,15 @@ def chunk_features(num_decode: int, decode_context: int, chunks: list[tuple[int,
     tokens = sum(n for n, _, _ in chunks)
     pairs = sum(n * s + n * (n + 1) // 2 for n, s, _ in chunks)
     return (num_decode, decode_context, tokens, len(chunks), sum(s for _, s, _ in chunks), pairs,
-            num_decode + sum(1 for *_, e in chunks if e))
+            num_decode + sum(1 for *_, e in chunks if e), sum(n * s for n, s, _ in chunks))
 
 
 @dataclass
 class LinearStepModel:
     """t = scale * (c0 + c1 num_decode + c2 decode_context) + prefill_scale * (c3 prefill_tokens +
-    c4 num_prefill + c5 prefill_pairs) in seconds, coef = c0..c5 (LINEAR_TERMS); gap = gap_coef[0] +
-    gap_coef[1] * sequences in the step. The scales are a profile's serving calibration (1.0 without)."""
+    c4 num_prefill + c5 chunk_pairs + c6 context_pairs) in seconds, coef = c0..c6 (`terms`: LINEAR_TERMS;
+    ONE_PAIR_TERMS: c5 prefill_pairs, an older profile's); gap = gap_coef[0] + gap_coef[1] * sequences
+    in the step. The scales are a profile's serving calibration (1.0 without)."""
 
     coef: list[float]
     gap_coef: list[float] = field(default_factory=lambda: [0.0, 0.0])
@@ -78,15 +87,23 @@ class LinearStepModel:
     prefill_scale: float | None = None     # None: the same as `scale`
     name: str = "profile"
     slowdown: dict | None = None           # {"pred_s": [...], "ratio": [...]}: serving / isolated, by step time
+    terms: tuple | None = None             # None: LINEAR_TERMS, or ONE_PAIR_TERMS for six coefficients
+    gap_quiet: float | None = None         # the gap after a step that made no token (None: as any other)
+    after_idle: dict | None = None         # {"decode": x, "prefill": y}: a step that starts the worker from
+                                           # idle takes x (decode-only) or y (with prompt tokens) times longer
 
     kind = "linear"
 
     def __post_init__(self):
-        if len(self.coef) != len(LINEAR_TERMS) or min(self.coef) < 0:
-            raise ValueError(f"coef must be {len(LINEAR_TERMS)} non-negative numbers ({', '.join(LINEAR_TERMS)}), "
+        self.terms = tuple(self.terms or (ONE_PAIR_TERMS if len(self.coef) == len(ONE_PAIR_TERMS) else LINEAR_TERMS))
+        if self.terms not in (LINEAR_TERMS, ONE_PAIR_TERMS):
+            raise ValueError(f"terms must be {LINEAR_TERMS} (or {ONE_PAIR_TERMS}), got {self.terms}")
+        if len(self.coef) != len(self.terms) or min(self.coef) < 0:
+            raise ValueError(f"coef must be {len(self.terms)} non-negative numbers ({', '.join(self.terms)}), "
                              f"got {self.coef}")
         ps = self.scale if self.prefill_scale is None else self.prefill_scale
-        self._c = [x * self.scale for x in self.coef[:3]] + [x * ps for x in self.coef[3:]]
+        coef = list(self.coef) if len(self.coef) == 7 else list(self.coef) + [self.coef[5]]   # one pair price
+        self._c = [x * self.scale for x in coef[:3]] + [x * ps for x in coef[3:]]
         self._g0, self._g1 = self.gap_coef
         self._slow = None
         if self.slowdown:
@@ -106,10 +123,15 @@ class LinearStepModel:
 
     def time(self, f: tuple) -> float:
         c = self._c
-        t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * f[5]
+        t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * (f[5] - f[7]) + c[6] * f[7]
         return t if self._slow is None else self._slowed(t)
 
-    def gap(self, num_seqs: int) -> float:
+    def idle_factor(self, kind: str) -> float:
+        return (self.after_idle or {}).get(kind, 1.0)
+
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
+        if quiet and self.gap_quiet is not None:
+            return self.gap_quiet
         return self._g0 + self._g1 * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
@@ -121,9 +143,9 @@ class LinearStepModel:
         return t * np.interp(np.log(t), xs, ys)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "terms": list(LINEAR_TERMS), "coef": list(self.coef),
+        return {"kind": self.kind, "name": self.name, "terms": list(self.terms), "coef": list(self.coef),
                 "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
-                "slowdown": self.slowdown}
+                "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -151,6 +173,9 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
+
+    def idle_factor(self, kind: str) -> float:
+        return 1.0
 
     def __post_init__(self):
         for key in ("compute_eff", "mem_eff"):
@@ -180,7 +205,7 @@ class RooflineStepModel:
         flops, nbytes = self._cost(f)
         return self.overhead_s + max(flops / self._peak, nbytes / self._bw)
 
-    def gap(self, num_seqs: int) -> float:
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
         return self.gap_coef[0] + self.gap_coef[1] * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
@@ -208,7 +233,7 @@ def fit_linear(rows: list[tuple], times_s: list[float]) -> tuple[list[float], di
     times, |predicted - measured| / measured, as median, p90 and max, and their signed mean)."""
     if len(rows) < len(LINEAR_TERMS):
         raise ValueError(f"need at least {len(LINEAR_TERMS)} measured steps to fit, got {len(rows)}")
-    x = np.array([[1.0, f[0], f[1], f[2], f[3], f[5]] for f in rows], dtype=float)
+    x = np.array([[1.0, f[0], f[1], f[2], f[3], f[5] - f[7], f[7]] for f in rows], dtype=float)
     y = np.asarray(times_s, dtype=float)
     norm = x.max(axis=0)
     norm[norm == 0] = 1.0
@@ -257,7 +282,8 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
     """A step model from its to_dict() (a profile's "step_model" section)."""
     if d.get("kind") == "linear":
         return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), float(d.get("scale", 1.0)),
-                               d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"))
+                               d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
+                               d.get("terms"), d.get("gap_quiet"), d.get("after_idle"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")

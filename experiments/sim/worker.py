@@ -41,6 +41,7 @@ class SimWorker:
     node: int = 0
     record_steps: bool = True
     state: str = "idle"
+    after_idle: bool = True                # the next step starts it from idle (experiments/sim/stepmodel.py)
     version: int = 0                       # bumped to void queued events of a cut run
     inbox: list = field(default_factory=list)
     arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
@@ -83,3 +84,17 @@ class SimWorker:
         entry = self.engine.run_steps(run, m, len(self.engine.scheduler.waiting))
         self.log.append(entry)
         return entry
+
+
+def nodes_of(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
+    """The node of each rank: one host when gpus_per_node is 0, else bundles filled node by node (pack)
+    or dealt round-robin (spread), and ranks given to bundles as cluster/pool.py's assign_bundles does."""
+    if not gpus_per_node or len(roles) <= gpus_per_node:
+        return [0] * len(roles)
+    from cluster.pool import assign_bundles
+
+    num_nodes = -(-len(roles) // gpus_per_node)
+    spread = placement in ("spread", "strict_spread")
+    bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
+    bundles = assign_bundles(roles, bundle_nodes, placement)
+    return [int(bundle_nodes[b]) for b in bundles]
