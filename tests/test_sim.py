@@ -90,6 +90,27 @@ def test_one_request_disaggregated_by_hand():
     assert sim.workers[0].engine.blocks.num_used == 0 and sim.workers[1].engine.blocks.num_used == 0
 
 
+def test_a_calibrated_handoff_is_the_serving_fit_with_the_export_before_the_wire():
+    # the calibration measured handoffs (prefill step end to last KV byte in) of 0.7 ms + bytes / 1 GB/s; the
+    # profile's export is 0.2 ms, so the link gets 0.5 ms + bytes / 1 GB/s. Prefill [0, 2.0]; export to 2.2;
+    # KV 100 x 1000 bytes [2.2, 2.8]: in 0.8 ms after the prefill, the fit's 0.7 + 0.1; import 0.3 ms,
+    # decodes [3.1, 4.2], [4.2, 5.3]. A noise factor of 2 doubles the wire time: KV in at 3.4, decodes from 3.7
+    from experiments.sim.costs import serving_link
+
+    link = serving_link({"latency_s": 0.7 * MS, "bandwidth": 1e9}, (0.2 * MS, 0.0), "zmq")
+    assert (link.latency_s, link.bandwidth) == (pytest.approx(0.5 * MS), pytest.approx(1e9))
+    assert serving_link({"latency_s": 0.1 * MS, "bandwidth": 2e9}, (0.2 * MS, 1e-9), "zmq").latency_s == 0.0
+    cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
+                                            "decode": EngineConfig(policy="chunked", token_budget=64)},
+                    {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    for noise, exposed, times in ((None, 0.8, [2.0, 4.2, 5.3]), ({"handoff": [2.0, 2.0]}, 1.4, [2.0, 4.8, 5.9])):
+        c = costs(export=(0.2, 0.0), import_=(0.3, 0.0), noise=noise)
+        c.transfer = {"local": link}
+        rec, = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 3)])
+        assert request_row(rec)["exposed_transfer_s"] == pytest.approx(exposed * MS)
+        assert ms(rec.token_times()) == pytest.approx(times)
+
+
 @pytest.mark.parametrize("stream,policy,budget,exposed_ms", [
     ("off", "prefill_first", 4096, 0.8),     # export 0.2 ms, then the whole transfer, 0.5 ms + 0.1 ms
     ("layer", "prefill_first", 4096, 0.525),  # only the last of 4 layers after the prefill: 0.5 + 0.025
@@ -449,7 +470,8 @@ def test_calibration_recovers_the_idle_and_quiet_costs_a_simulated_run_was_given
 
     prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
     prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
-                       "after_idle": {"decode": 1.5, "prefill": 1.3}, "slowdown": None, "noise": None}
+                       "after_idle": {"decode": 1.5, "prefill": 1.3}, "slowdown": None, "noise": None,
+                       "handoff": {}}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof))
     run = tmp_path / "run"
@@ -462,3 +484,8 @@ def test_calibration_recovers_the_idle_and_quiet_costs_a_simulated_run_was_given
     assert cal["after_idle"]["decode"] == pytest.approx(1.5, rel=0.05)
     assert cal["gap_quiet_s"] == pytest.approx(40e-6, rel=0.05) and cal["gap_s"] == pytest.approx(130e-6, rel=0.1)
     assert cal["num"]["quiet_gaps"] > 50 and min(cal["num"]["after_idle_steps"].values()) >= 20
+    # its handoffs: the profile's export, then its zmq link (the bench's, as this profile has no serving handoff)
+    (e0, e1), t = prof["handoff"]["export"], prof["transfer"]["zmq"]
+    handoff = cal["handoff"]["zmq"]
+    assert handoff["latency_s"] == pytest.approx(e0 + t["latency_s"], rel=0.05)
+    assert 1 / handoff["bandwidth"] == pytest.approx(e1 + 1 / t["bandwidth"], rel=0.05)

@@ -29,6 +29,12 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
 - noise: the quantiles of each of these (experiments/sim/noise.py), for the simulator to draw from;
   steps as measured / (predicted x slowdown x after_idle where it applies), decode-only and prefill
   apart;
+- handoff: the KV handoff as serving runs it, per transport: from the end of the prefill step that
+  made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
+  disaggregated points with transfer.stream off) fitted as latency + bytes / bandwidth (sim/transfer.py's
+  fit_transfer), with the quantiles of measured / fitted as its noise. It is the export, the sender
+  thread's pickup and the wire while both workers step: 3.6-4x what cluster.transfer_bench measures
+  alone here (0.6-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes / 3.26 GB/s, four runs);
 - other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
   the calibration holds for (on a shared machine a run made while others used more CPU is slower).
 
@@ -55,7 +61,8 @@ def _repeats(run_dir: Path):
             continue
         for d in point.repeats:
             machine = (_read(d / "metrics.json").get("machine") or {}) if (d / "metrics.json").is_file() else {}
-            yield point.info | {"machine": machine}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl")
+            stream = _read_stream(d / "config.yaml")
+            yield point.info | {"machine": machine, "stream": stream}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl")
 
 
 def _read(path: Path) -> dict:
@@ -63,6 +70,14 @@ def _read(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _read_stream(path: Path) -> str:
+    try:
+        from omegaconf import OmegaConf
+        return str(OmegaConf.load(path).transfer.stream)
+    except Exception:       # no config, or one without transfer.stream: the default
+        return "off"
 
 
 def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
@@ -76,6 +91,7 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
     returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
+    handoffs: dict[str, list[tuple[int, float]]] = {}        # transport -> (bytes, exposed seconds)
     steps_seen = {"decode": [], "prefill": []}              # (predicted, measured seconds, after idle)
     for ident, rows, steps in (x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
@@ -107,6 +123,10 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 returns.append(r["client_ttft_s"] - r["ttft_s"])
             if _idle_at(workers.get(r["prefill_worker"], []), r["arrival_s"]):
                 queues.append(r["ttft_s"] - r["prefill_s"])
+            if (ident.get("mode") == "disaggregated" and ident.get("stream") == "off" and r.get("transfer_bytes")
+                    and (r.get("exposed_transfer_s") or 0) > 0):
+                handoffs.setdefault(ident.get("transfer") or "zmq", []).append(
+                    (r["transfer_bytes"], r["exposed_transfer_s"]))
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     busy = sorted((p, m) for v in steps_seen.values() for p, m, cold in v if not cold)
@@ -127,10 +147,28 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "gap_quiet_s": statistics.median(quiet_gaps) if quiet_gaps else None,
             "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "after_idle": after, "noise": noise,
             "other_cores": statistics.median(others) if others else None,
+            "handoff": handoff_fits(handoffs, per_bin),
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
                     "quiet_gaps": len(quiet_gaps), "decode_steps": len(steps_seen["decode"]),
                     "prefill_steps": len(steps_seen["prefill"]),
                     "after_idle_steps": {k: len(v) for k, v in cold.items()}}}
+
+
+def handoff_fits(handoffs: dict[str, list[tuple[int, float]]], per_bin: int) -> dict:
+    """Per transport, exposed handoff seconds = latency + bytes / bandwidth over the measured handoffs
+    (at least `per_bin` of them, at two sizes or more), its fit error, and the quantiles of measured /
+    fitted (median 1) for the simulator's draws."""
+    from experiments.sim.transfer import fit_transfer
+
+    out = {}
+    for transport, pairs in handoffs.items():
+        if len(pairs) < per_bin or len({b for b, _ in pairs}) < 2:
+            continue
+        model, err = fit_transfer([b for b, _ in pairs], [s for _, s in pairs], f"{transport} (serving)")
+        ratios = [s / model.seconds(b) for b, s in pairs]
+        out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs),
+                                            "noise": quantiles(ratios, normalise=True)}
+    return out
 
 
 def after_idle(ss: list[dict]) -> set[int]:

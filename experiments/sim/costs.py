@@ -53,9 +53,10 @@ class Costs:
 
 def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True,
                  serving: dict | None = None) -> Costs:
-    """Costs of the machine a profile was measured on, with the transfer model of `backend`;
-    `calibrated=False` leaves out the serving calibration (steps as measured in isolation); `serving`
-    replaces the profile's calibration (experiments/analysis/calibrate.py of another run)."""
+    """Costs of the machine a profile was measured on, with the transfer model of `backend` (the
+    calibration's handoff for it where it has one: serving_link); `calibrated=False` leaves out the
+    serving calibration (steps as measured in isolation, the bench's transfer); `serving` replaces the
+    profile's calibration (experiments/analysis/calibrate.py of another run)."""
     path = Path(path)
     prof = json.loads(path.read_text())
     if prof.get("kind") != "pdlab-profile":
@@ -72,15 +73,30 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
     t = transfers.get(backend) or next(iter(transfers.values()), None)
     if t is None:
         raise ValueError(f"{path}: the profile has no transfer model")
-    link = TransferModel(t["latency_s"], t["bandwidth"], f"{backend} (profile)")
     handoff = prof.get("handoff", {})
+    export = tuple(handoff.get("export", (0.0, 0.0)))
+    served = (serving.get("handoff") or {}).get(backend)
+    link = (serving_link(served, export, backend) if served else
+            TransferModel(t["latency_s"], t["bandwidth"], f"{backend} (profile)"))
+    noise = serving.get("noise")
+    if served and noise is not None and served.get("noise"):
+        noise = noise | {"handoff": served["noise"]}
     return Costs(model, {"local": link}, serving.get("dispatch_s", 0.0), serving.get("return_s", 0.0),
-                 tuple(handoff.get("export", (0.0, 0.0))), tuple(handoff.get("import", (0.0, 0.0))),
+                 export, tuple(handoff.get("import", (0.0, 0.0))),
                  f"profile {path.parent.name}/{path.name}" + ("" if serving else " (uncalibrated)"),
                  {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
                   "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
                   "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores")},
-                 serving.get("noise"))
+                 noise)
+
+
+def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:
+    """The link of a calibrated profile: the serving calibration's handoff fit (prefill step end to the
+    last KV byte in, experiments/analysis/calibrate.py) less the profile's export, which the simulator
+    charges before the transfer; the bench's transfer alone is 3.6-4x faster than a handoff while serving."""
+    per_byte = 1.0 / served["bandwidth"] - export[1]
+    return TransferModel(max(0.0, served["latency_s"] - export[0]),
+                         1.0 / per_byte if per_byte > 0 else served["bandwidth"], f"{backend} (serving)")
 
 
 def from_roofline(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | None = None,

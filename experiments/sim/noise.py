@@ -5,7 +5,8 @@ between steps and the latency of the router's messages; tails (ITL p99, TPOT p90
 variation. A calibrated profile keeps, for each, its quantiles (0% to 100%, evenly spaced): a step's
 measured / predicted time (decode-only and prefill steps apart, each normalised to median 1, so the
 median step is the model's), the busy host gap (after a step that made tokens, and after one that made
-none), the return latency (step end to the router) and the dispatch latency. `Noise` draws from them
+none), the return latency (step end to the router), the dispatch latency and a KV handoff's
+measured / fitted time (experiments/analysis/calibrate.py's handoff). `Noise` draws from them
 by inverse transform, linear between quantiles, with its own seeded generator, so a simulation is
 deterministic for a seed. As many quantiles as values measured (up to MAX_QUANTILES): with 101 the
 top percent of draws spread evenly up to the largest value measured, so one 32 ms gap among 1,587
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-KINDS = ("decode", "prefill", "gap", "gap_quiet", "return", "dispatch")
+KINDS = ("decode", "prefill", "gap", "gap_quiet", "return", "dispatch", "handoff")
 MAX_QUANTILES = 2001
 
 

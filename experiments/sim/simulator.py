@@ -453,7 +453,8 @@ class Simulator:
         else:
             last = min(1.0, last_chunk / max(att.prompt_len, 1))
         start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
-                                      req.first_scheduled_time if stream != "off" else None, last)
+                                      req.first_scheduled_time if stream != "off" else None, last,
+                                      self.noise.factor("handoff"))
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
         att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
         att.dreq.num_out, att.dreq.attempt = 1, att
