@@ -8,7 +8,9 @@ median step is the model's), the busy host gap (after a step that made tokens, a
 none), the return latency (step end to the router), the dispatch latency and a KV handoff's
 measured / fitted time (experiments/analysis/calibrate.py's handoff). `Noise` draws from them
 by inverse transform, linear between quantiles, with its own seeded generator, so a simulation is
-deterministic for a seed. As many quantiles as values measured (up to MAX_QUANTILES): with 101 the
+deterministic for a seed (a handoff's draws come from a stream of their own, so a handoff table takes
+no draw from the others; the workers still share one stream, in event order, so anything that moves
+one worker's steps in time hands the others different draws). As many quantiles as values measured (up to MAX_QUANTILES): with 101 the
 top percent of draws spread evenly up to the largest value measured, so one 32 ms gap among 1,587
 became 1% of all gaps averaging 17 ms, and the table's mean gap (0.32 ms) was 2.4x its median.
 Without tables (a datasheet GPU, or noise=false) every draw is the table-free value: factor 1, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 KINDS = ("decode", "prefill", "gap", "gap_quiet", "return", "dispatch", "handoff")
+OWN_STREAM = ("handoff",)   # kinds that draw from a stream of their own (added after the others)
 MAX_QUANTILES = 2001
 
 
@@ -31,13 +34,14 @@ class Noise:
         self.tables = {k: [float(x) for x in v] for k, v in (tables or {}).items() if k in KINDS and v}
         self._arrays = {k: np.asarray(v) for k, v in self.tables.items()}
         self.rng = np.random.default_rng([seed, 0x5EED])
+        self._own = {k: np.random.default_rng([seed, 0x5EED, i + 1]) for i, k in enumerate(OWN_STREAM)}
         self.on = bool(self.tables)
 
     def _one(self, kind: str) -> float | None:
         q = self.tables.get(kind)
         if q is None:
             return None
-        x = self.rng.random() * (len(q) - 1)
+        x = self._own.get(kind, self.rng).random() * (len(q) - 1)
         i = int(x)
         return q[i] if i >= len(q) - 1 else q[i] + (q[i + 1] - q[i]) * (x - i)
 
@@ -45,7 +49,7 @@ class Noise:
         q = self._arrays.get(kind)
         if q is None:
             return None
-        return np.interp(self.rng.random(n) * (len(q) - 1), np.arange(len(q)), q)
+        return np.interp(self._own.get(kind, self.rng).random(n) * (len(q) - 1), np.arange(len(q)), q)
 
     def factor(self, kind: str) -> float:
         f = self._one(kind)
