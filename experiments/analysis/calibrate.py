@@ -33,8 +33,9 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
   disaggregated points with transfer.stream off) fitted as latency + bytes / bandwidth (sim/transfer.py's
   fit_transfer), with the quantiles of measured / fitted as its noise. It is the export, the sender
-  thread's pickup and the wire while both workers step: 3.6-4x what cluster.transfer_bench measures
-  alone here (0.6-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes / 3.26 GB/s, four runs);
+  thread's pickup and the wire while both workers step: the sender's part alone took 3.3-4.0x what
+  cluster.transfer_bench measures here (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
+  3.26 GB/s, four runs);
 - other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
   the calibration holds for (on a shared machine a run made while others used more CPU is slower).
 

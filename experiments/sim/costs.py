@@ -93,7 +93,7 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
 def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:
     """The link of a calibrated profile: the serving calibration's handoff fit (prefill step end to the
     last KV byte in, experiments/analysis/calibrate.py) less the profile's export, which the simulator
-    charges before the transfer; the bench's transfer alone is 3.6-4x faster than a handoff while serving."""
+    charges before the transfer (the bench's transfer alone was 3.3-4x faster than the sender's while serving)."""
     per_byte = 1.0 / served["bandwidth"] - export[1]
     return TransferModel(max(0.0, served["latency_s"] - export[0]),
                          1.0 / per_byte if per_byte > 0 else served["bandwidth"], f"{backend} (serving)")
