@@ -108,10 +108,11 @@ class Engine:
 
     def memory(self) -> dict:
         """What this engine holds on its device besides the weights: the KV pool (sized once, at
-        start), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
+        start; whether Linux agreed to back it with huge pages), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
         (oneDNN's layout, CPU kernels only)."""
         graphs = self.runner.graphs
-        return {"kv_pool_bytes": self.cache.nbytes, "num_kv_blocks": self.blocks.num_blocks,
+        return {"kv_pool_bytes": self.cache.nbytes, "kv_pool_huge_pages": self.cache.huge_pages,
+                "num_kv_blocks": self.blocks.num_blocks,
                 "block_size": self.cfg.block_size, "step_buffer_bytes": self.runner.buffers.nbytes,
                 "cuda_graph_bytes": graphs.memory_bytes if graphs else 0,
                 "cuda_graphs": sorted(graphs.graphs) if graphs else [],
