@@ -8,7 +8,9 @@ the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype
   its data, and the linear layers through oneDNN with weights packed once into its blocked layout
   (what production CPU engines do; measured here, 1.4-1.9x torch's MKL linear at the 16-64 rows of
   a decode step, the same at 2,048). The packed copies double the memory the weights take;
-  `Engine.memory()` reports them.
+  `Engine.memory()` reports them. oneDNN also caches one primitive per distinct number of rows a
+  step has (at most token_budget of them), so memory rises until a workload's step sizes have all
+  been seen, then stays put.
 """
 from __future__ import annotations
 
