@@ -454,38 +454,3 @@ def test_noise_tables_keep_the_mean_of_a_sample_with_one_outlier():
     assert abs(draws.mean() / mean - 1) < 0.1
     coarse = Noise({"gap": list(np.percentile(values, np.arange(101)))}, seed=1).latencies("gap", 0.0, 400_000)
     assert coarse.mean() > 1.5 * mean
-
-
-def test_calibration_recovers_the_idle_and_quiet_costs_a_simulated_run_was_given(tmp_path):
-    """A run simulated with known costs (a step from idle 1.5x or 1.3x slower, a 40 us gap after a step
-    that makes no token, 130 us after others, no noise) written as a real run's files; calibrating the
-    profile's isolated model on them gives those costs back."""
-    import json
-    import subprocess
-    import sys
-
-    from experiments.analysis.calibrate import calibrate
-    from experiments.sim.stepmodel import model_from_dict
-    from tests.conftest import ROOT
-
-    prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
-    prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
-                       "after_idle": {"decode": 1.5, "prefill": 1.3}, "slowdown": None, "noise": None,
-                       "handoff": {}}
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(prof))
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={path}",
-                           "workload.num_requests=60", "report=false", f"hydra.run.dir={run}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cal = calibrate([run], model_from_dict(prof["step_model"] | {"gap_coef": prof["gap"]["gap_coef"]}))
-    assert cal["after_idle"]["prefill"] == pytest.approx(1.3, rel=0.05)
-    assert cal["after_idle"]["decode"] == pytest.approx(1.5, rel=0.05)
-    assert cal["gap_quiet_s"] == pytest.approx(40e-6, rel=0.05) and cal["gap_s"] == pytest.approx(130e-6, rel=0.1)
-    assert cal["num"]["quiet_gaps"] > 50 and min(cal["num"]["after_idle_steps"].values()) >= 20
-    # its handoffs: the profile's export, then its zmq link (the bench's, as this profile has no serving handoff)
-    (e0, e1), t = prof["handoff"]["export"], prof["transfer"]["zmq"]
-    handoff = cal["handoff"]["zmq"]
-    assert handoff["latency_s"] == pytest.approx(e0 + t["latency_s"], rel=0.05)
-    assert 1 / handoff["bandwidth"] == pytest.approx(e1 + 1 / t["bandwidth"], rel=0.05)

@@ -13,22 +13,33 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   step that made tokens: the median gap, as g0, with the profile's per-sequence slope g1 kept;
   gap_quiet_s: the median after a step that made none (a chunk that leaves its prompt unfinished:
   half of g0 here, as the worker loop then has no token to post);
-- slowdown: how much longer a step takes while serving than the profile predicts, as a function of
-  the predicted time: over the steps whose features the records determine (decode-only steps: batch
+- the step's time, from the steps whose features the records determine (decode-only steps: batch
   from num_decode_seqs, their cached tokens from num_blocks_used, the blocks every running decode
   holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
-  prefill_first or prefill workers: one chunk from token 0), the median measured / predicted per bin
-  of predicted time, made non-decreasing, over steps of a busy worker. On a shared CPU a long step
-  is interrupted more often than a short one, so it is slowed more;
-- after_idle: how much longer again a step takes that starts a worker from idle (its first, or one
-  after a step that left it nothing to do): the median measured / (predicted x slowdown) over those,
-  decode-only and prefill steps apart (1.0 with fewer than `per_bin`). Such a step is slow here (a
-  64-token first chunk ran 22-31% over the profile where the chunks after it ran 1-9% under, a decode
-  worker's first step after idle 45-49% over): a curve by predicted time alone spread that over
-  every step of its length;
-- noise: the quantiles of each of these (experiments/sim/noise.py), for the simulator to draw from;
-  steps as measured / (predicted x slowdown x after_idle where it applies), decode-only and prefill
-  apart;
+  prefill_first or prefill workers: one chunk from token 0; a chunked run's single-chunk steps), as
+  measured / predicted by the profile, explained by the worker's state at the step's start
+  (state_factors): a step costs predicted x slowdown(predicted) x each factor whose state holds:
+  - slowdown: the median per bin of predicted time, made non-decreasing, over steps in none of the
+    states below;
+  - contention: another worker of the host has work (a step in flight, or due after one that left
+    it work); on the 2-core machine here 1.08-1.12x for decode steps, 1.20-1.23x for prefills, though
+    each worker has a core of its own (they share caches, memory bandwidth and the router's core);
+  - after_prefill: the decode-only steps 0, 1, 2, ... after the worker's last step with prompt
+    tokens: here 1.27-1.30x, 1.14-1.19x, 1.08x, then about 1.04x (the prefill's activations have
+    pushed the weights and the KV out of the core's caches);
+  - after_idle: a step that starts a worker from idle (its first, or one after a step that left it
+    nothing to do), as a curve by how long it idled: here 1.0-1.1x after a few ms, 1.3-1.6x after
+    100 ms or more (the rest of the machine has had its caches); per role where a role has enough
+    such steps (after_idle_by_role: a prefill worker wakes to a whole prompt, a colocated one often
+    to a 64-token chunk, which suffers less);
+  - kv_transfer: a KV transfer from or to the worker is in flight (from the first token to the KV
+    landing): its threads serialise, send or receive it beside the step: here 1.13x for a prefill
+    worker's prompt, 1.5x for a decode worker's step;
+- noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
+  and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
+  drift (drift_fit): how that residual carries from one step of a worker to its next ones (rank
+  correlation 0.23 one step apart, still 0.11 eight steps apart here), which is what spreads a
+  request's TPOT;
 - handoff: the KV handoff as serving runs it, per transport: from the end of the prefill step that
   made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
   disaggregated points with transfer.stream off) fitted as latency + bytes / bandwidth (sim/transfer.py's
@@ -45,14 +56,19 @@ its own calibration run with its own seed.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 import json
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
+from experiments.sim.engine import NEVER
 from experiments.sim.noise import quantiles
-from experiments.sim.stepmodel import chunk_features
+from experiments.sim.stepmodel import chunk_features, curve_at
 
 
 def _repeats(run_dir: Path):
@@ -61,9 +77,10 @@ def _repeats(run_dir: Path):
         if point.metrics is None:
             continue
         for d in point.repeats:
-            machine = (_read(d / "metrics.json").get("machine") or {}) if (d / "metrics.json").is_file() else {}
-            stream = _read_stream(d / "config.yaml")
-            yield point.info | {"machine": machine, "stream": stream}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl")
+            metrics = _read(d / "metrics.json") if (d / "metrics.json").is_file() else {}
+            hosts = {w["worker"]: w.get("host") for w in (metrics.get("isolation") or {}).get("per_worker") or []}
+            yield (point.info | {"machine": metrics.get("machine") or {}, "stream": _read_stream(d / "config.yaml"),
+                                 "hosts": hosts}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"))
 
 
 def _read(path: Path) -> dict:
@@ -81,6 +98,9 @@ def _read_stream(path: Path) -> str:
         return "off"
 
 
+ECHO_STEPS = 8      # decode-only steps after a prefill step that may have an after_prefill factor of their own
+
+
 def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for s in steps:
@@ -93,14 +113,19 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
     returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
     handoffs: dict[str, list[tuple[int, float]]] = {}        # transport -> (bytes, exposed seconds)
-    steps_seen = {"decode": [], "prefill": []}              # (predicted, measured seconds, after idle)
-    for ident, rows, steps in (x for d in run_dirs for x in _repeats(Path(d))):
+    # (predicted, measured seconds, seconds idle before or None, decode-only steps since a prefill step,
+    #  contended, in a KV transfer, the worker's role)
+    steps_seen = {"decode": [], "prefill": []}
+    decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
+    for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
+        contended, in_transfer = contended_steps(workers, ident["hosts"]), transfer_steps(workers, rows)
         if ident["machine"].get("other_cores") is not None:
             others.append(ident["machine"]["other_cores"])
         whole = ident.get("mode") == "disaggregated" or ident.get("policy") == "prefill_first"
         for worker, ss in workers.items():
-            idle = after_idle(ss)
+            idle, since = after_idle(ss), since_prefill(ss)      # idle: {id: seconds idle before}
+            role = worker.partition(":")[0]
             made = token_steps(rows, worker, ss)
             for cur, nxt in zip(ss, ss[1:]):
                 if (cur["num_running"] or cur["num_waiting"]) and not worker.startswith("prefill"):
@@ -108,15 +133,17 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             for s in ss:
                 measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
+                state = (idle.get(id(s)), since.get(id(s), NEVER), id(s) in contended, id(s) in in_transfer, role)
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
-                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, id(s) in idle))
+                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, *state))
+                    decode_at.append((rep, worker, s["start_s"]))
                 elif p and not b and s["num_prefill_seqs"] == 1 and (whole or worker.startswith("prefill")):
                     f = chunk_features(0, 0, [(p, 0, True)])
-                    steps_seen["prefill"].append((model.time(f), measured, id(s) in idle))
+                    steps_seen["prefill"].append((model.time(f), measured, *state))
             if not whole:
-                steps_seen["prefill"] += [(p, m, id(s) in idle) for p, m, s in chunk_steps(rows, {worker: ss}, model,
-                                                                                            block_size)]
+                steps_seen["prefill"] += [(p, m, idle.get(id(s)), NEVER, id(s) in contended, False, role)
+                                          for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
                 continue
@@ -130,13 +157,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     (r["transfer_bytes"], r["exposed_transfer_s"]))
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
-    busy = sorted((p, m) for v in steps_seen.values() for p, m, cold in v if not cold)
-    slowdown = slowdown_curve(busy, per_bin)
-    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
-                        terms=model.terms)
-    cold = {k: [m / curve._slowed(p) for p, m, c in v if c] for k, v in steps_seen.items()}
-    after = {k: statistics.median(v) if len(v) >= per_bin else 1.0 for k, v in cold.items()}
-    residual = {k: [m / curve._slowed(p) / (after[k] if c else 1.0) for p, m, c in v] for k, v in steps_seen.items()}
+    factors = state_factors(steps_seen, model, per_bin)
+    slowdown, after, residual = factors["slowdown"], factors["after_idle"], factors["residual"]
     g0 = statistics.median(gaps) if gaps else model.gap(0)
     dispatch = [max(0.0, q - g0) for q in queues]
     noise = {"decode": quantiles(residual["decode"], normalise=True),
@@ -146,13 +168,171 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     return {"return_s": statistics.median(returns),
             "dispatch_s": statistics.median(dispatch) if dispatch else 0.0, "gap_s": g0,
             "gap_quiet_s": statistics.median(quiet_gaps) if quiet_gaps else None,
-            "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "after_idle": after, "noise": noise,
+            "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "after_idle": after,
+            "after_prefill": factors["after_prefill"], "contention": factors["contention"],
+            "after_idle_by_role": factors["after_idle_by_role"], "kv_transfer": factors["kv_transfer"],
+            "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
             "handoff": handoff_fits(handoffs, per_bin),
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
                     "quiet_gaps": len(quiet_gaps), "decode_steps": len(steps_seen["decode"]),
                     "prefill_steps": len(steps_seen["prefill"]),
-                    "after_idle_steps": {k: len(v) for k, v in cold.items()}}}
+                    **factors["num"]}}
+
+
+def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
+    """The serving factors of a step by the worker's state, from (predicted, measured, seconds idle
+    before or None, since prefill, contended, in a KV transfer, role) per step kind: the slowdown curve from
+    steps in none of the states below; then `contention` (another worker of the host had work at its
+    start), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the worker's last step with
+    prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS); `after_idle`, per kind, a
+    curve by the time the worker had been idle (the longer, the more of its caches the rest of the
+    machine has taken: never less), from steps in no transfer, and `after_idle_by_role` the same per
+    role where one has `per_bin` such steps of a kind (a prefill worker wakes to a whole prompt, a
+    colocated one often to a chunk of one); `kv_transfer` (a KV transfer from or to the worker in
+    flight: its threads send or receive it), per kind. Each is the median of measured / (curve x the factors already
+    found) over its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything
+    modelled, what the noise tables are made of."""
+    plain = sorted((p, m) for v in steps_seen.values() for p, m, idle, k, busy, exp, _ in v
+                   if not (idle is not None or busy or exp or k < ECHO_STEPS))
+    if len(plain) < per_bin:      # too few steps in no state at all: the curve over every step from busy
+        plain = sorted((p, m) for v in steps_seen.values() for p, m, idle, *_ in v if idle is None)
+    slowdown = slowdown_curve(plain, per_bin)
+    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
+                        terms=model.terms)
+    ratios = {kind: [(m / curve._slowed(p), *state) for p, m, *state in v] for kind, v in steps_seen.items()}
+
+    def med(xs):
+        return statistics.median(xs) if len(xs) >= per_bin else 1.0
+
+    contention = {kind: med([x for x, idle, k, busy, exp, _ in v if busy and not exp and idle is None and k >= ECHO_STEPS])
+                  for kind, v in ratios.items()}
+    echo = []
+    for j in range(ECHO_STEPS):
+        xs = [x / (contention["decode"] if busy else 1.0) for x, idle, k, busy, exp, _ in ratios["decode"]
+              if k == j and idle is None and not exp]
+        if len(xs) < per_bin:
+            break
+        echo.append(statistics.median(xs))
+
+    def known(kind, x, k, busy):
+        return x / (contention[kind] if busy else 1.0) / (echo[k] if k < len(echo) else 1.0)
+
+    def idle_curve(pairs):
+        xs, ys = rising_curve(sorted(pairs), per_bin) if len(pairs) >= per_bin else ([1.0], [1.0])
+        return {"idle_s": xs, "ratio": ys}
+
+    cold = {kind: [(role, max(idle, 1e-6), known(kind, x, k, busy)) for x, idle, k, busy, exp, role in v
+                   if idle is not None and not exp] for kind, v in ratios.items()}
+    after = {kind: idle_curve([(i, y) for _, i, y in v]) for kind, v in cold.items()}
+    by_role: dict[str, dict] = {}
+    for kind, v in cold.items():
+        for role in sorted({r for r, _, _ in v}):
+            mine = [(i, y) for r, i, y in v if r == role]
+            if len(mine) >= per_bin:
+                by_role.setdefault(role, {})[kind] = idle_curve(mine)
+
+    def idled(kind, idle, role):
+        return 1.0 if idle is None else curve_at(by_role.get(role, {}).get(kind, after[kind]), idle)
+
+    transfer = {kind: med([known(kind, x, k, busy) / idled(kind, idle, role)
+                            for x, idle, k, busy, exp, role in v if exp]) for kind, v in ratios.items()}
+    residual = {kind: [known(kind, x, k, busy) / idled(kind, idle, role) / (transfer[kind] if exp else 1.0)
+                       for x, idle, k, busy, exp, role in v] for kind, v in ratios.items()}
+    count = {name: {kind: sum(bool(r[i]) if i != 1 else r[i] is not None for r in v) for kind, v in ratios.items()}
+             for name, i in (("after_idle_steps", 1), ("contended_steps", 3), ("transfer_steps", 4))}
+    return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_idle": after,
+            "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
+            "num": count | {"after_prefill_steps": sum(r[2] < ECHO_STEPS for r in ratios["decode"])}}
+
+
+def drift_fit(residual: list[float], at: list[tuple], max_lag: int = 8) -> dict | None:
+    """How a worker's unexplained slowness carries from step to step: the rank correlation of its
+    decode steps' residuals k steps apart (k = 1..max_lag, pooled over workers), fitted as weight x
+    rho^k (a part `weight` of the noise drifts, rho per step, the rest is fresh each step); tau_s =
+    the time rho takes per step (the median interval between a busy worker's decode starts) as a
+    time constant: noise drawn tau_s apart is correlated weight / e. None with too few steps."""
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    for r, (rep, worker, start) in zip(residual, at):
+        series.setdefault((rep, worker), []).append((start, math.log(r)))
+    lags, pairs, intervals = [], {k: ([], []) for k in range(1, max_lag + 1)}, []
+    for xs in series.values():
+        xs.sort()
+        intervals += [b[0] - a[0] for a, b in zip(xs, xs[1:])]
+        ranks = np.argsort(np.argsort([x for _, x in xs])) / max(len(xs) - 1, 1)
+        for k, (a, b) in pairs.items():
+            a.extend(ranks[:-k])
+            b.extend(ranks[k:])
+    if len(pairs[max_lag][0]) < 100:
+        return None
+    for k, (a, b) in pairs.items():
+        lags.append(float(np.corrcoef(a, b)[0, 1]))
+    ks = [k for k, c in zip(pairs, lags) if c > 0.02]
+    if len(ks) < 2 or ks[0] != 1:
+        return {"weight": 0.0, "rho": 0.0, "tau_s": 0.0, "lags": lags}
+    slope, icpt = np.polyfit(ks, [math.log(lags[k - 1]) for k in ks], 1)
+    rho, weight = min(math.exp(slope), 0.999), min(math.exp(icpt), 1.0)
+    dt = statistics.median(intervals)
+    return {"weight": weight, "rho": rho, "tau_s": -dt / math.log(rho) if rho > 0 else 0.0, "lags": lags,
+            "step_interval_s": dt}
+
+
+def since_prefill(ss: list[dict]) -> dict[int, int]:
+    """id of each decode-only step of a worker -> how many decode-only steps came between the worker's
+    last step with prompt tokens and it (none before it: not listed)."""
+    out, k = {}, None
+    for s in ss:
+        if s["num_prefill_tokens"]:
+            k = 0
+        elif k is not None:
+            out[id(s)] = k
+            k += 1
+    return out
+
+
+def contended_steps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> set[int]:
+    """ids of the steps that started while another worker of their host had work: was in a step, or
+    between two steps after one that left it work (running or waiting requests). Workers without a
+    host in `hosts` (a run whose metrics do not say) share one."""
+    busy = {}
+    for w, ss in workers.items():
+        starts = [s["start_s"] for s in ss]
+        ends = [nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"]
+                for cur, nxt in zip(ss, ss[1:])] + [ss[-1]["end_s"]] if ss else []
+        busy[w] = (starts, ends)
+    out = set()
+    for w, ss in workers.items():
+        others = [busy[o] for o in workers if o != w and hosts.get(o) == hosts.get(w)]
+        for s in ss:
+            t = s["start_s"]
+            for starts, ends in others:
+                i = bisect.bisect_right(starts, t) - 1
+                if i >= 0 and t < ends[i]:
+                    out.add(id(s))
+                    break
+    return out
+
+
+def transfer_steps(workers: dict[str, list[dict]], rows: list[dict]) -> set[int]:
+    """ids of the steps of a worker that started while a KV transfer from or to it was in flight: from
+    the request's first token to its KV landing (exposed_transfer_s), on its prefill and decode worker."""
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("exposed_transfer_s") and r.get("ttft_s") is not None and r.get("prefill_worker"):
+            t = r["arrival_s"] + r["ttft_s"]
+            for w in (r["prefill_worker"], r.get("decode_worker")):
+                if w:
+                    windows.setdefault(w, []).append((t, t + r["exposed_transfer_s"]))
+    out = set()
+    for w, ws in windows.items():
+        ws.sort()
+        starts = [a for a, _ in ws]
+        latest = list(itertools.accumulate((b for _, b in ws), max))      # the latest end among windows begun
+        for s in workers.get(w, []):
+            i = bisect.bisect_right(starts, s["start_s"]) - 1
+            if i >= 0 and s["start_s"] < latest[i]:
+                out.add(id(s))
+    return out
 
 
 def handoff_fits(handoffs: dict[str, list[tuple[int, float]]], per_bin: int) -> dict:
@@ -172,13 +352,13 @@ def handoff_fits(handoffs: dict[str, list[tuple[int, float]]], per_bin: int) -> 
     return out
 
 
-def after_idle(ss: list[dict]) -> set[int]:
-    """ids of a worker's steps that start it from idle: its first, and each after a step that left it
-    no work (nothing running, nothing waiting)."""
-    out = {id(ss[0])} if ss else set()
+def after_idle(ss: list[dict]) -> dict[int, float]:
+    """id -> seconds idle before, of a worker's steps that start it from idle: its first (idle since
+    the run began), and each after a step that left it no work (nothing running, nothing waiting)."""
+    out = {id(ss[0]): max(0.0, ss[0]["start_s"])} if ss else {}
     for cur, nxt in zip(ss, ss[1:]):
         if not (cur["num_running"] or cur["num_waiting"]):
-            out.add(id(nxt))
+            out[id(nxt)] = max(0.0, nxt["start_s"] - cur["end_s"])
     return out
 
 
@@ -228,26 +408,31 @@ def chunk_steps(rows: list[dict], workers: dict, model, block_size: int) -> list
 
 
 def slowdown_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
-    """(predicted seconds, median measured / predicted) per bin of predicted time: bins a factor of 1.25
-    wide, merged with the next until they hold `per_bin` steps (the last with the one before); the
-    ratios then made non-decreasing (a longer step is never less slowed: contention for the cores
-    interrupts a long step more often), pooling adjacent bins that break it."""
+    """(predicted seconds, median measured / predicted) per bin of predicted time (rising_curve): a
+    longer step is never less slowed, as contention for the cores interrupts a long step more often."""
+    return rising_curve(sorted((p, m / p) for p, m in pairs), per_bin)
+
+
+def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
+    """(median x, median y) per bin of x over (x, y) pairs sorted by x: bins a factor of 1.25 wide,
+    merged with the next until they hold `per_bin` pairs (the last with the one before); the medians
+    then made non-decreasing, pooling adjacent bins that break it (isotonic regression on medians)."""
     bins, cur, edge = [], [], None
-    for p, m in pairs:
+    for x, y in pairs:
         if edge is None:
-            edge = p * 1.25
-        if p > edge and len(cur) >= per_bin:
+            edge = x * 1.25
+        if x > edge and len(cur) >= per_bin:
             bins.append(cur)
-            cur, edge = [], p * 1.25
-        cur.append((p, m))
+            cur, edge = [], x * 1.25
+        cur.append((x, y))
     if cur:
         if bins and len(cur) < per_bin:
             bins[-1] += cur
         else:
             bins.append(cur)
-    blocks = [[statistics.median(p for p, _ in b), statistics.median(m / p for p, m in b), len(b)] for b in bins if b]
+    blocks = [[statistics.median(x for x, _ in b), statistics.median(y for _, y in b), len(b)] for b in bins if b]
     out: list[list[float]] = []
-    for blk in blocks:                        # pool adjacent violators (isotonic regression on medians)
+    for blk in blocks:
         out.append(blk)
         while len(out) > 1 and out[-2][1] > out[-1][1]:
             b2, b1 = out.pop(), out.pop()

@@ -193,7 +193,7 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
         kp = max(1, min(probe, gpus // 2))
         pspec = _spec(cfg, f"{kp}p{kp}d", 2 * kp)
         g_p, a_p = s.highest(pspec, kp, "prefill", guess)
-        free = dataclasses.replace(s.costs, role_step={"prefill": FreeStep()}, export=(0.0, 0.0))
+        free = dataclasses.replace(s.costs, role_step=s.costs.role_step | {"prefill": FreeStep()}, export=(0.0, 0.0))
         g_d, a_d = s.highest(pspec, kp, "decode", guess, free)
         phases = {"prefill_per_worker": g_p, "decode_per_worker": g_d, "probe_workers": kp,
                   "prefill_attainment": a_p, "decode_attainment": a_d}

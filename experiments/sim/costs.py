@@ -67,8 +67,13 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
         step["slowdown"] = serving.get("slowdown")
         step["gap_coef"] = [serving.get("gap_s", step["gap_coef"][0]), step["gap_coef"][1]]
         step["gap_quiet"], step["after_idle"] = serving.get("gap_quiet_s"), serving.get("after_idle")
+        for key in ("after_prefill", "contention", "kv_transfer"):
+            step[key] = serving.get(key)
     model = model_from_dict(step)
     check_finite(model)
+    # a role whose wake from idle the calibration measured apart gets a model of its own
+    role_step = {role: model_from_dict(step | {"after_idle": (step.get("after_idle") or {}) | curves})
+                 for role, curves in (serving.get("after_idle_by_role") or {}).items()}
     transfers = prof.get("transfer", {})
     t = transfers.get(backend) or next(iter(transfers.values()), None)
     if t is None:
@@ -79,6 +84,8 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
     link = (serving_link(served, export, backend) if served else
             TransferModel(t["latency_s"], t["bandwidth"], f"{backend} (profile)"))
     noise = serving.get("noise")
+    if noise is not None and serving.get("drift"):
+        noise = noise | {"drift": serving["drift"]}
     if served and noise is not None and served.get("noise"):
         noise = noise | {"handoff": served["noise"]}
     return Costs(model, {"local": link}, serving.get("dispatch_s", 0.0), serving.get("return_s", 0.0),
@@ -87,7 +94,7 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
                  {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
                   "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
                   "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores")},
-                 noise)
+                 noise, role_step)
 
 
 def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:

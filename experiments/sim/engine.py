@@ -30,6 +30,7 @@ from workers.scheduler import Scheduler, SchedulerOutput
 
 from experiments.sim.stepmodel import features
 
+NEVER = 1 << 30             # since_prefill of an engine that has run no step with prompt tokens
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
 
 
@@ -98,6 +99,7 @@ class SimEngine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
+        self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -129,19 +131,37 @@ class SimEngine:
         return self.scheduler.has_work()
 
     # -- one scheduled step ----------------------------------------------------------------------
-    def schedule(self, after_idle: bool = False) -> tuple[SchedulerOutput, float]:
-        """The real scheduler's next step and its modelled duration (0.0 for an empty step); a step that
-        starts the worker from idle takes the model's `after_idle` times longer."""
+    def schedule(self, idle_s: float | None = None, contended: bool = False, in_transfer: bool = False,
+                 at: float = 0.0) -> tuple[SchedulerOutput, float]:
+        """The real scheduler's next step and its modelled duration (0.0 for an empty step), times the
+        model's serving factors for the worker's state: `after_idle` (it starts the worker after
+        `idle_s` seconds idle; None: it was busy), `contended` (another worker of its host has work),
+        `in_transfer` (a KV transfer from or to it is in flight) and, for a decode-only step,
+        `after_prefill` (by the decode-only steps since the worker's last step with prompt tokens); its
+        noise is drawn for a step starting `at`."""
         sched = self.scheduler.schedule()
         if not sched:
             return sched, 0.0
         d = self.model.time(features(sched))
         kind = "prefill" if sched.prefills else "decode"
-        if after_idle and hasattr(self.model, "idle_factor"):
-            d *= self.model.idle_factor(kind)
+        if idle_s is not None and hasattr(self.model, "idle_factor"):
+            d *= self.model.idle_factor(kind, idle_s)
+        if contended:
+            d *= self._contention(kind)
+        if in_transfer:
+            d *= self._transfer(kind)
+        echo = getattr(self.model, "after_prefill", None)
+        if kind == "decode" and echo and self.since_prefill < len(echo):
+            d *= echo[self.since_prefill]
         if self.noise is not None:
-            d *= self.noise.factor(kind)
+            d *= self.noise.step_factor(kind, self, at)
         return sched, d
+
+    def _contention(self, kind: str) -> float:
+        return (getattr(self.model, "contention", None) or {}).get(kind, 1.0)
+
+    def _transfer(self, kind: str) -> float:
+        return (getattr(self.model, "kv_transfer", None) or {}).get(kind, 1.0)
 
     def gap(self, num_seqs: int, quiet: bool = False) -> float:
         """Host time after a step of `num_seqs` sequences (`quiet`: it made no token), before the next
@@ -165,6 +185,7 @@ class SimEngine:
             if completes:
                 tokens.append((req, self._token(req, end)))
         self.num_steps += 1
+        self.since_prefill = 0 if sched.prefills else self.since_prefill + 1
         return StepDone(tokens, list(sched.preempted))
 
     def _token(self, req: SimRequest, now: float) -> str | None:
@@ -231,17 +252,31 @@ class SimEngine:
             need += max(0, blocks_for(r.num_computed_tokens + steps, bs) - len(r.block_ids))
         return need
 
-    def start_run(self, start: float, k: int, after_idle: bool = False) -> DecodeRun:
+    def start_run(self, start: float, k: int, idle_s: float | None = None, contended: bool = False,
+                  transfer_until: float = 0.0) -> DecodeRun:
+        """k decode-only steps from `start`, with schedule()'s serving factors (`contended` holds for the
+        whole run: the simulator cuts it when a worker of the host goes idle or busy; the steps that
+        start before `transfer_until` are in a KV transfer's window)."""
         reqs = list(self.scheduler.running)
         b = len(reqs)
         computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b)
         blocks0 = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=b)
         d = self.model.decode_run(b, int(computed.sum()), k)
-        if after_idle and hasattr(self.model, "idle_factor"):
-            d[0] *= self.model.idle_factor("decode")
+        if idle_s is not None and hasattr(self.model, "idle_factor"):
+            d[0] *= self.model.idle_factor("decode", idle_s)
+        if contended:
+            d *= self._contention("decode")
+        echo, k0 = getattr(self.model, "after_prefill", None), self.since_prefill
+        if echo and k0 < len(echo):
+            j = min(k, len(echo) - k0)
+            d[:j] *= np.asarray(echo[k0:k0 + j])
+        if transfer_until > start:
+            j = int(np.searchsorted(np.cumsum(d), transfer_until - start, side="left")) + 1
+            d[:j] *= self._transfer("decode")
         gap = np.full(k, self.model.gap(b))
         if self.noise is not None:
-            d = d * self.noise.factors("decode", k)
+            starts = start + np.concatenate(([0.0], np.cumsum(d + gap)[:-1]))     # as if without noise
+            d = d * self.noise.step_factors("decode", self, starts)
             gap += self.noise.latencies("gap", self.model.gap(0), k) - self.model.gap(0)
         gap[0] = 0.0                                       # the first step starts at `start`
         ends = start + np.cumsum(d + gap)
@@ -270,6 +305,7 @@ class SimEngine:
             r.num_out += m - 1
             out.append((r, self._token(r, last)))      # the last step's token, and the request's end
         self.num_steps += m
+        self.since_prefill += m
         return out
 
     def run_steps(self, run: DecodeRun, m: int, num_waiting: int) -> dict:

@@ -33,7 +33,7 @@ from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.noise import Noise
 from experiments.sim.records import Attempt, Record
 from experiments.sim.transfer import STREAMS, Links
-from experiments.sim.worker import Handle, SimWorker, nodes_of
+from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
@@ -88,7 +88,7 @@ class Simulator:
         self.heap: list = []
         self._seq = itertools.count()
         self.now = 0.0
-        self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed)
+        self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed, (costs.noise or {}).get("drift"))
         counts: dict[str, int] = {}
         self.workers: list[SimWorker] = []
         nodes = nodes_of(cfg.roles, cfg.gpus_per_node, cfg.placement)
@@ -102,6 +102,7 @@ class Simulator:
             engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
+        self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "contention", None) for w in self.workers))
         self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
                       for w in self.workers}
         self.index = LoadIndex(self.handles, self.loads)    # None: plan() looks at every worker
@@ -296,13 +297,25 @@ class Simulator:
     def _wake(self, w: SimWorker) -> None:
         if w.state == "idle":
             w.state, w.after_idle = "start", True
+            self._busy(w, True)
             self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
         elif w.state == "run":
-            m = w.engine.cut_after(w.run, self.now)
-            if m < w.run_steps:
-                w.run_steps = m
-                w.version += 1
-                self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
+            self._cut(w)
+
+    def _cut(self, w: SimWorker) -> None:
+        """End w's decode run after the step scheduled before now: the rest is scheduled afresh."""
+        m = w.engine.cut_after(w.run, self.now)
+        if m < w.run_steps:
+            w.run_steps = m
+            w.version += 1
+            self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
+
+    def _busy(self, w: SimWorker, busy: bool) -> None:
+        """w gets work or goes idle; a run of the host's other busy worker whose contention that flips is
+        cut, so its steps after now are timed in the new state."""
+        for o in self.hosts.mark(w, busy):
+            if o.state == "run":
+                self._cut(o)
 
     def _take_inbox(self, w: SimWorker) -> None:
         e = w.engine
@@ -344,18 +357,21 @@ class Simulator:
             att.imported = True
         if not e.has_work():
             w.state = "idle"
+            self._busy(w, False)
             return
         k = e.run_length()
-        cold, w.after_idle = w.after_idle, False
+        idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
+        contended = self.hosts.contended(w)
         if k >= 1:
-            run = e.start_run(t, k, cold)
+            run = e.start_run(t, k, idle_s, contended, w.transfer[1] if w.transfer[0] <= t else 0.0)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
-        sched, d = e.schedule(cold)
+        sched, d = e.schedule(idle_s, contended, w.transfer[0] <= t < w.transfer[1], t)
         if not sched:
             w.state = "idle"                        # nothing it can schedule until something changes
+            self._busy(w, False)
             return
         w.sched, w.step_start, w.state = sched, t, "step"
         self.push(t + d, self._step_end, w, w.version)
@@ -364,6 +380,7 @@ class Simulator:
         if version != w.version or not w.alive:
             return
         sched, start, end = w.sched, w.step_start, self.now
+        w.last_end = end
         done = w.engine.finish(sched, start, end)
         w.log_step(start, end, sched, len(done.preempted))
         stream = self.cfg.stream != "off"
@@ -393,7 +410,7 @@ class Simulator:
             entry["used"][-1] = w.engine.blocks.num_used
             entry["running_last"] = len(w.engine.scheduler.running)
         at = self._deliveries(w, run.ends[:m])
-        end = float(run.ends[m - 1])
+        end = w.last_end = float(run.ends[m - 1])
         b = len(run.reqs)
         self.loads[w.rank].kv_tokens += b * m - w.run_tokens
         w.run, w.run_tokens = None, 0
@@ -430,6 +447,7 @@ class Simulator:
             self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
         else:
             w.state = "idle"
+            self._busy(w, False)
 
     # -- KV transfer --------------------------------------------------------------------------------
     def _send_kv(self, w: SimWorker, req, ready: float, last_chunk: int) -> None:
@@ -456,6 +474,10 @@ class Simulator:
                                       req.first_scheduled_time if stream != "off" else None, last,
                                       self.noise.factor("handoff"))
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
+        for x in (w, d):                        # both ends' threads work on it from the prefill's end
+            x.transfer = (x.transfer[0], max(x.transfer[1], done)) if x.transfer[1] >= ready else (ready, done)
+        if d.state == "run":
+            self._cut(d)
         att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
         att.dreq.num_out, att.dreq.attempt = 1, att
         self.push(done, self._kv_arrived, att)
@@ -479,6 +501,7 @@ class Simulator:
         w.handle.alive = False
         w.version += 1
         w.state, w.run, w.sched = "dead", None, None
+        self._busy(w, False)
         self.in_run.discard(w)
         w.inbox.clear()
         self.push(self.now + self.costs.return_s, self._on_dead, w)

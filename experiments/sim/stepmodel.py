@@ -90,7 +90,14 @@ class LinearStepModel:
     terms: tuple | None = None             # None: LINEAR_TERMS, or ONE_PAIR_TERMS for six coefficients
     gap_quiet: float | None = None         # the gap after a step that made no token (None: as any other)
     after_idle: dict | None = None         # {"decode": x, "prefill": y}: a step that starts the worker from
-                                           # idle takes x (decode-only) or y (with prompt tokens) times longer
+                                           # idle takes x (decode-only) or y (with prompt tokens) times longer;
+                                           # each a number or {"idle_s": [...], "ratio": [...]} (curve_at)
+    after_prefill: list | None = None      # [x0, x1, ...]: the decode-only step that follows k others since the
+                                           # worker's last step with prompt tokens takes x_k times longer
+    contention: dict | None = None         # {"decode": x, "prefill": y}: a step that starts while another
+                                           # worker of its host has work takes x or y times longer
+    kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
+                                           # its worker is in flight (the worker's threads send or receive it)
 
     kind = "linear"
 
@@ -126,8 +133,9 @@ class LinearStepModel:
         t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * (f[5] - f[7]) + c[6] * f[7]
         return t if self._slow is None else self._slowed(t)
 
-    def idle_factor(self, kind: str) -> float:
-        return (self.after_idle or {}).get(kind, 1.0)
+    def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
+        """The after_idle factor of a step of `kind` after `idle_s` seconds idle."""
+        return curve_at((self.after_idle or {}).get(kind, 1.0), idle_s)
 
     def gap(self, num_seqs: int, quiet: bool = False) -> float:
         if quiet and self.gap_quiet is not None:
@@ -145,7 +153,9 @@ class LinearStepModel:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "terms": list(self.terms), "coef": list(self.coef),
                 "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
-                "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle}
+                "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
+                "after_prefill": self.after_prefill, "contention": self.contention,
+                "kv_transfer": self.kv_transfer}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -173,8 +183,9 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
+    after_prefill = contention = kv_transfer = None       # a datasheet GPU: no serving calibration
 
-    def idle_factor(self, kind: str) -> float:
+    def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         return 1.0
 
     def __post_init__(self):
@@ -278,12 +289,23 @@ def relative_errors(predicted, measured) -> dict:
             "mean": float(rel.mean()), "num": int(a.size)}
 
 
+def curve_at(factor, x: float) -> float:
+    """A factor that is a number, or a curve {"<x name>": xs, "ratio": ys} read at x: linear in log x
+    between its points, flat beyond them."""
+    if not isinstance(factor, dict):
+        return float(factor)
+    xs, ys = next(v for k, v in factor.items() if k != "ratio"), factor["ratio"]
+    lx = math.log(max(x, 1e-9))
+    return float(np.interp(lx, np.log(np.asarray(xs, dtype=float)), ys))
+
+
 def model_from_dict(d: dict, cfg: ModelConfig | None = None):
     """A step model from its to_dict() (a profile's "step_model" section)."""
     if d.get("kind") == "linear":
         return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), float(d.get("scale", 1.0)),
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
-                               d.get("terms"), d.get("gap_quiet"), d.get("after_idle"))
+                               d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
+                               d.get("contention"), d.get("kv_transfer"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")

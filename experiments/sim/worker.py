@@ -47,6 +47,8 @@ class SimWorker:
     arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
     sched: object = None                   # the scheduled step in flight
     step_start: float = 0.0
+    last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
+    transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
@@ -84,6 +86,28 @@ class SimWorker:
         entry = self.engine.run_steps(run, m, len(self.engine.scheduler.waiting))
         self.log.append(entry)
         return entry
+
+
+class HostLoad:
+    """Which workers of each host have work (are not idle). A step that starts while another worker of its
+    host has work takes the step model's `contention` factor longer (on a CPU they share cores, caches and
+    memory bandwidth); `on` is False when the model has none, and then nothing is tracked."""
+
+    def __init__(self, workers: list[SimWorker], on: bool):
+        self.on = on
+        self._busy: dict[int, set] = {w.node: set() for w in workers}
+
+    def contended(self, w: SimWorker) -> bool:
+        return self.on and any(o is not w for o in self._busy[w.node])      # looks at two at most
+
+    def mark(self, w: SimWorker, busy: bool) -> list[SimWorker]:
+        """Mark w busy or idle; returns the other worker whose contention that flips (the one other busy
+        worker of the host, when w is the second to become busy or leaves one behind), if any."""
+        s = self._busy.get(w.node) if self.on else None
+        if s is None or (w in s) == busy:
+            return []
+        (s.add if busy else s.discard)(w)
+        return [o for o in s if o is not w] if len(s) == (2 if busy else 1) else []
 
 
 def nodes_of(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:

@@ -1,0 +1,128 @@
+"""What serving adds to a step's time, in the simulator and in the calibration that measures it.
+
+Hand-worked timelines use the step model of tests/test_sim.py: 1 ms per step, plus 0.01 ms per prompt
+token, plus 0.1 ms per decode (100 prompt tokens: 2.0 ms; one decode: 1.1 ms); no host gap, dispatch
+or return latency unless a case says so.
+"""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments.analysis.calibrate import calibrate, drift_fit
+from experiments.sim.noise import Noise
+from experiments.sim.records import request_row
+from experiments.sim.simulator import Arrival, Simulator
+from experiments.sim.stepmodel import curve_at, model_from_dict
+from tests.conftest import ROOT
+from tests.test_sim import MS, colocated, costs, ms
+
+
+def with_model(c, **factors):
+    return dataclasses.replace(c, step=dataclasses.replace(c.step, **factors))
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_the_decode_steps_after_a_prefill_step_take_its_after_prefill_factors(fast_forward):
+    # prefill [0, 2.0]; the first decode after it 2 x 1.1 = 2.2 ms, the second 1.5 x 1.1, then 1.1
+    c = with_model(costs(), after_prefill=[2.0, 1.5])
+    sim = Simulator(colocated(policy="prefill_first", budget=4096, fast_forward=fast_forward), c)
+    rec, = sim.run([Arrival("a", 0.0, 100, 5)])
+    assert ms(rec.token_times()) == pytest.approx([2.0, 4.2, 5.85, 6.95, 8.05])
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_a_step_that_starts_while_the_other_worker_has_work_is_contended(fast_forward):
+    # A (100 tokens, 6 out) alone on worker 0 from 0; B (100, 2) reaches worker 1 at 3.5 ms, which then
+    # has work until B's last token: worker 0's steps that start meanwhile take 2 x 1.1 ms
+    c = with_model(costs(), contention={"decode": 2.0, "prefill": 1.0})
+    sim = Simulator(colocated(policy="prefill_first", budget=4096, workers=2, fast_forward=fast_forward), c)
+    a, b = sim.run([Arrival("a", 0.0, 100, 6), Arrival("b", 3.5 * MS, 100, 2)])
+    assert (a.decode_worker, b.decode_worker) == ("colocated:0", "colocated:1")
+    # A: [2.0, 3.1] and [3.1, 4.2] alone (the step in flight at 3.5 keeps its time), [4.2, 6.4] and
+    # [6.4, 8.6] beside B, [8.6, 9.7] alone again (B ended at 7.7)
+    assert ms(a.token_times()) == pytest.approx([2.0, 3.1, 4.2, 6.4, 8.6, 9.7])
+    # B: prefill [3.5, 5.5] (prefill steps not slowed here), its decode [5.5, 7.7] beside A
+    assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
+
+
+def test_a_step_after_idle_takes_the_factor_of_how_long_its_worker_idled():
+    # after 0.1 s idle a decode step takes 2x, after 1 ms 1x (the curve is linear in log idle time)
+    curve = {"idle_s": [1e-3, 0.1], "ratio": [1.0, 2.0]}
+    assert curve_at(curve, 0.01) == pytest.approx(1.5) and curve_at(curve, 10.0) == 2.0
+    c = with_model(costs(), after_idle={"decode": 1.0, "prefill": curve})
+    sim = Simulator(colocated(policy="prefill_first", budget=4096), c)
+    a, b = sim.run([Arrival("a", 0.0, 100, 1), Arrival("b", 102 * MS, 100, 1)])
+    # A: idle since the start (0 s: the curve's low end, 1x); B after 100 ms idle: 2 x 2.0 ms
+    assert ms(a.token_times()) == pytest.approx([2.0])
+    assert ms(b.token_times()) == pytest.approx([106.0])
+
+
+def test_drift_keeps_each_draw_s_distribution_and_correlates_draws_close_in_time():
+    table = list(np.linspace(0.8, 1.6, 201) ** 2)
+    n = 40_000
+    plain = Noise({"decode": table}, seed=2).factors("decode", n)
+    drifting = Noise({"decode": table}, seed=2, drift={"weight": 0.5, "tau_s": 0.01})
+    starts = np.arange(n) * 1e-3
+    x = np.concatenate([drifting.step_factors("decode", "w", starts[i:i + 500]) for i in range(0, n, 500)])
+    assert abs(x.mean() / plain.mean() - 1) < 0.02 and abs(np.median(x) / np.median(plain) - 1) < 0.02
+
+    def lag_corr(v, k):
+        r = np.argsort(np.argsort(v))
+        return np.corrcoef(r[:-k], r[k:])[0, 1]
+    # z = sqrt(w) s + sqrt(1 - w) e: draws 1 ms apart share w exp(-0.1) of their variation
+    assert lag_corr(x, 1) == pytest.approx(0.5 * math.exp(-0.1), abs=0.03)
+    assert abs(lag_corr(x, 200)) < 0.03 and abs(lag_corr(plain, 1)) < 0.03
+    # another worker's draws are its own
+    y = drifting.step_factors("decode", "other", starts[:2000] + starts[-1])
+    assert abs(np.corrcoef(x[-2000:], y)[0, 1]) < 0.06
+
+
+def test_drift_fit_recovers_the_weight_and_time_constant_of_a_drifting_series():
+    rng = np.random.default_rng(5)
+    n, rho, w = 20_000, 0.85, 0.4
+    s = np.empty(n)
+    s[0] = rng.standard_normal()
+    for i in range(1, n):
+        s[i] = rho * s[i - 1] + math.sqrt(1 - rho * rho) * rng.standard_normal()
+    z = math.sqrt(w) * s + math.sqrt(1 - w) * rng.standard_normal(n)
+    fit = drift_fit(list(np.exp(0.1 * z)), [(0, "colocated:0", 0.004 * i) for i in range(n)])
+    assert fit["rho"] == pytest.approx(rho, abs=0.05) and fit["weight"] == pytest.approx(w, abs=0.06)
+    assert fit["tau_s"] == pytest.approx(-0.004 / math.log(rho), rel=0.25)
+
+
+def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_path):
+    """A run simulated with known costs (a step from idle 1.5x or 1.3x slower, the two decode steps after
+    a prefill 1.4x and 1.2x, a step beside another busy worker 1.25x or 1.15x, a 40 us gap after a step
+    that makes no token, 130 us after others, no noise) written as a real run's files; calibrating the
+    profile's isolated model on them gives those costs back."""
+    prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
+    given = {"after_idle": {"decode": 1.5, "prefill": 1.3}, "after_prefill": [1.4, 1.2],
+             "contention": {"decode": 1.25, "prefill": 1.15}}
+    prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
+                       "slowdown": None, "noise": None, "handoff": {}} | given
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={path}",
+                           "workload.num_requests=60", "report=false", f"hydra.run.dir={run}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cal = calibrate([run], model_from_dict(prof["step_model"] | {"gap_coef": prof["gap"]["gap_coef"]}))
+    for kind, x in given["after_idle"].items():
+        assert curve_at(cal["after_idle"][kind], 0.1) == pytest.approx(x, rel=0.05), kind
+    assert cal["after_prefill"][:2] == pytest.approx([1.4, 1.2], rel=0.05)
+    assert cal["after_prefill"][2:] == pytest.approx([1.0] * len(cal["after_prefill"][2:]), rel=0.05)
+    assert cal["contention"] == pytest.approx(given["contention"], rel=0.05)
+    assert cal["gap_quiet_s"] == pytest.approx(40e-6, rel=0.05) and cal["gap_s"] == pytest.approx(130e-6, rel=0.1)
+    assert cal["num"]["quiet_gaps"] > 50 and min(cal["num"]["after_idle_steps"].values()) >= 20
+    assert min(cal["num"]["contended_steps"].values()) >= 20 and cal["num"]["after_prefill_steps"] >= 20
+    # its handoffs: the profile's export, then its zmq link (the bench's, as this profile has no serving handoff)
+    (e0, e1), t = prof["handoff"]["export"], prof["transfer"]["zmq"]
+    handoff = cal["handoff"]["zmq"]
+    assert handoff["latency_s"] == pytest.approx(e0 + t["latency_s"], rel=0.05)
+    assert 1 / handoff["bandwidth"] == pytest.approx(e1 + 1 / t["bandwidth"], rel=0.05)
