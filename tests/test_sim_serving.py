@@ -35,6 +35,17 @@ def test_the_decode_steps_after_a_prefill_step_take_its_after_prefill_factors(fa
     assert ms(rec.token_times()) == pytest.approx([2.0, 4.2, 5.85, 6.95, 8.05])
 
 
+@pytest.mark.parametrize("prompt, first_ms", [(60, 1.65), (100, 3.3)])
+def test_after_prefill_factors_follow_the_size_of_the_prefill_step(prompt, first_ms):
+    # up to 64 prompt tokens the first decode after them takes 1.5x, beyond 3x (the pooled 2x unused)
+    by_size = [{"max_tokens": 64, "factors": [1.5]}, {"max_tokens": None, "factors": [3.0]}]
+    c = with_model(costs(), after_prefill=[2.0], after_prefill_by_size=by_size)
+    sim = Simulator(colocated(policy="prefill_first", budget=4096), c)
+    rec, = sim.run([Arrival("a", 0.0, prompt, 3)])
+    t0 = 1.0 + 0.01 * prompt
+    assert ms(rec.token_times()) == pytest.approx([t0, t0 + first_ms, t0 + first_ms + 1.1])
+
+
 @pytest.mark.parametrize("fast_forward", [True, False])
 def test_a_step_that_starts_while_the_other_worker_has_work_is_contended(fast_forward):
     # A (100 tokens, 6 out) alone on worker 0 from 0; B (100, 2) reaches worker 1 at 3.5 ms, which then

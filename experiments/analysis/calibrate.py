@@ -17,29 +17,31 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   from num_decode_seqs, their cached tokens from num_blocks_used, the blocks every running decode
   holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
   prefill_first or prefill workers: one chunk from token 0; a chunked run's single-chunk steps), as
-  measured / predicted by the profile, explained by the worker's state at the step's start
-  (state_factors): a step costs predicted x slowdown(predicted) x each factor whose state holds:
+  measured / predicted by the profile, explained by the worker's State at the step's start
+  (state_factors): a step costs predicted x slowdown(predicted) x each factor whose state holds.
+  Figures below: the profile in profiles/ (calibration run of 18:48, 160 requests a layout):
   - slowdown: the median per bin of predicted time, made non-decreasing, over steps in none of the
-    states below;
+    states below (1.01x at 3 ms, 1.06x from 6 ms);
   - contention: another worker of the host has work (a step in flight, or due after one that left
-    it work); on the 2-core machine here 1.08-1.12x for decode steps, 1.20-1.23x for prefills, though
-    each worker has a core of its own (they share caches, memory bandwidth and the router's core);
+    it work): 1.09x for decode steps, 1.23x for prefills, though each worker has a core of its own
+    (they share caches, memory bandwidth and the router's core);
   - after_prefill: the decode-only steps 0, 1, 2, ... after the worker's last step with prompt
-    tokens: here 1.27-1.30x, 1.14-1.19x, 1.08x, then about 1.04x (the prefill's activations have
-    pushed the weights and the KV out of the core's caches);
+    tokens: 1.39x, 1.25x, 1.13x, 1.07x, then within 4% (the prefill's activations pushed the weights
+    and the KV out of the core's caches), and by that step's size (after_prefill_by_size): 1.32x
+    after a chunk of up to 64 tokens, 1.41x up to 256, 1.46x beyond;
   - after_idle: a step that starts a worker from idle (its first, or one after a step that left it
-    nothing to do), as a curve by how long it idled: here 1.0-1.1x after a few ms, 1.3-1.6x after
-    100 ms or more (the rest of the machine has had its caches); per role where a role has enough
-    such steps (after_idle_by_role: a prefill worker wakes to a whole prompt, a colocated one often
-    to a 64-token chunk, which suffers less);
+    nothing to do), as a curve by how long it idled: decode steps 1.09x after 7 ms to 1.55x after
+    170 ms, prefills 1.10x after 3 ms to 1.35x after 600 ms (the rest of the machine had its caches
+    meanwhile); per role where a role has enough such steps (after_idle_by_role: a prefill worker
+    wakes to a whole prompt, 1.31-1.38x, a colocated one often to a 64-token chunk, which suffers less);
   - kv_transfer: a KV transfer from or to the worker is in flight (from the first token to the KV
-    landing): its threads serialise, send or receive it beside the step: here 1.13x for a prefill
-    worker's prompt, 1.5x for a decode worker's step;
+    landing): its threads serialise, send or receive it beside the step: 1.14x for a prefill
+    worker's prompt, 1.52x for a decode worker's step;
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (drift_fit): how that residual carries from one step of a worker to its next ones (rank
-  correlation 0.23 one step apart, still 0.11 eight steps apart here), which is what spreads a
-  request's TPOT;
+  correlation 0.24 one step apart, 0.08 eight steps apart: weight 0.33, time constant 23 ms), what
+  spreads a request's TPOT;
 - handoff: the KV handoff as serving runs it, per transport: from the end of the prefill step that
   made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
   disaggregated points with transfer.stream off) fitted as latency + bytes / bandwidth (sim/transfer.py's
@@ -61,6 +63,7 @@ import math
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,7 +71,7 @@ from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
 from experiments.sim.engine import NEVER
 from experiments.sim.noise import quantiles
-from experiments.sim.stepmodel import chunk_features, curve_at
+from experiments.sim.stepmodel import chunk_features, curve_at, echo_factors
 
 
 def _repeats(run_dir: Path):
@@ -99,6 +102,7 @@ def _read_stream(path: Path) -> str:
 
 
 ECHO_STEPS = 8      # decode-only steps after a prefill step that may have an after_prefill factor of their own
+PROMPT_SIZES = (64, 256, None)   # after_prefill_by_size's bins of the prefill step's prompt tokens (None: no top)
 
 
 def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
@@ -113,8 +117,7 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
     returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
     handoffs: dict[str, list[tuple[int, float]]] = {}        # transport -> (bytes, exposed seconds)
-    # (predicted, measured seconds, seconds idle before or None, decode-only steps since a prefill step,
-    #  contended, in a KV transfer, the worker's role)
+    # (predicted, measured seconds, State)
     steps_seen = {"decode": [], "prefill": []}
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
     for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
@@ -133,16 +136,17 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             for s in ss:
                 measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
-                state = (idle.get(id(s)), since.get(id(s), NEVER), id(s) in contended, id(s) in in_transfer, role)
+                k, prompt = since.get(id(s), (NEVER, 0))
+                state = State(idle.get(id(s)), k, id(s) in contended, id(s) in in_transfer, role, prompt)
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
-                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, *state))
+                    steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, state))
                     decode_at.append((rep, worker, s["start_s"]))
                 elif p and not b and s["num_prefill_seqs"] == 1 and (whole or worker.startswith("prefill")):
                     f = chunk_features(0, 0, [(p, 0, True)])
-                    steps_seen["prefill"].append((model.time(f), measured, *state))
+                    steps_seen["prefill"].append((model.time(f), measured, state))
             if not whole:
-                steps_seen["prefill"] += [(p, m, idle.get(id(s)), NEVER, id(s) in contended, False, role)
+                steps_seen["prefill"] += [(p, m, State(idle.get(id(s)), NEVER, id(s) in contended, False, role, 0))
                                           for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
@@ -169,7 +173,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "dispatch_s": statistics.median(dispatch) if dispatch else 0.0, "gap_s": g0,
             "gap_quiet_s": statistics.median(quiet_gaps) if quiet_gaps else None,
             "slowdown": {"pred_s": slowdown[0], "ratio": slowdown[1]}, "after_idle": after,
-            "after_prefill": factors["after_prefill"], "contention": factors["contention"],
+            "after_prefill": factors["after_prefill"], "after_prefill_by_size": factors["after_prefill_by_size"],
+            "contention": factors["contention"],
             "after_idle_by_role": factors["after_idle_by_role"], "kv_transfer": factors["kv_transfer"],
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
@@ -180,50 +185,74 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     **factors["num"]}}
 
 
+class State(NamedTuple):
+    """A step's serving state at its start (state_factors)."""
+
+    idle: float | None          # seconds its worker had been idle before it; None: it was busy
+    k: int                      # decode-only steps between the worker's last step with prompt tokens and it
+    busy: bool                  # another worker of its host had work
+    transfer: bool              # a KV transfer from or to its worker was in flight
+    role: str                   # its worker's role
+    prompt: int                 # prompt tokens of the worker's last step with some (0: none yet)
+
+
 def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
-    """The serving factors of a step by the worker's state, from (predicted, measured, seconds idle
-    before or None, since prefill, contended, in a KV transfer, role) per step kind: the slowdown curve from
-    steps in none of the states below; then `contention` (another worker of the host had work at its
-    start), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the worker's last step with
-    prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS); `after_idle`, per kind, a
-    curve by the time the worker had been idle (the longer, the more of its caches the rest of the
-    machine has taken: never less), from steps in no transfer, and `after_idle_by_role` the same per
-    role where one has `per_bin` such steps of a kind (a prefill worker wakes to a whole prompt, a
-    colocated one often to a chunk of one); `kv_transfer` (a KV transfer from or to the worker in
-    flight: its threads send or receive it), per kind. Each is the median of measured / (curve x the factors already
-    found) over its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything
-    modelled, what the noise tables are made of."""
-    plain = sorted((p, m) for v in steps_seen.values() for p, m, idle, k, busy, exp, _ in v
-                   if not (idle is not None or busy or exp or k < ECHO_STEPS))
+    """The serving factors of a step by its State, from (predicted, measured, State) per step kind: the
+    slowdown curve from steps in none of the states below; then `contention` (another worker of the
+    host had work at its start), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the
+    worker's last step with prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS),
+    and `after_prefill_by_size` the same per size of that step (PROMPT_SIZES: a 64-token chunk pushes
+    less out of the caches than a whole prompt); `after_idle`, per kind, a curve by the time the
+    worker had been idle (the longer, the more of its caches the rest of the machine has taken: never
+    less), from steps in no transfer, and `after_idle_by_role` the same per role where one has
+    `per_bin` such steps of a kind (a prefill worker wakes to a whole prompt, a colocated one often to
+    a chunk of one); `kv_transfer` (a KV transfer from or to the worker in flight: its threads send or
+    receive it), per kind. Each is the median of measured / (curve x the factors already found) over
+    its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything modelled, what
+    the noise tables are made of."""
+    plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v
+                   if not (st.idle is not None or st.busy or st.transfer or st.k < ECHO_STEPS))
     if len(plain) < per_bin:      # too few steps in no state at all: the curve over every step from busy
-        plain = sorted((p, m) for v in steps_seen.values() for p, m, idle, *_ in v if idle is None)
+        plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v if st.idle is None)
     slowdown = slowdown_curve(plain, per_bin)
     curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
                         terms=model.terms)
-    ratios = {kind: [(m / curve._slowed(p), *state) for p, m, *state in v] for kind, v in steps_seen.items()}
+    ratios = {kind: [(m / curve._slowed(p), st) for p, m, st in v] for kind, v in steps_seen.items()}
 
     def med(xs):
         return statistics.median(xs) if len(xs) >= per_bin else 1.0
 
-    contention = {kind: med([x for x, idle, k, busy, exp, _ in v if busy and not exp and idle is None and k >= ECHO_STEPS])
+    contention = {kind: med([x for x, st in v if st.busy and not st.transfer and st.idle is None and st.k >= ECHO_STEPS])
                   for kind, v in ratios.items()}
-    echo = []
-    for j in range(ECHO_STEPS):
-        xs = [x / (contention["decode"] if busy else 1.0) for x, idle, k, busy, exp, _ in ratios["decode"]
-              if k == j and idle is None and not exp]
-        if len(xs) < per_bin:
-            break
-        echo.append(statistics.median(xs))
 
-    def known(kind, x, k, busy):
-        return x / (contention[kind] if busy else 1.0) / (echo[k] if k < len(echo) else 1.0)
+    def echo_of(steps):
+        out = []
+        for j in range(ECHO_STEPS):
+            xs = [x / (contention["decode"] if st.busy else 1.0) for x, st in steps
+                  if st.k == j and st.idle is None and not st.transfer]
+            if len(xs) < per_bin:
+                break
+            out.append(statistics.median(xs))
+        return out
+
+    echo = echo_of(ratios["decode"])
+    by_size = []
+    for i, top in enumerate(PROMPT_SIZES):
+        low = PROMPT_SIZES[i - 1] if i else 0
+        mine = echo_of([(x, st) for x, st in ratios["decode"] if low < st.prompt <= (top or math.inf)])
+        if mine:
+            by_size.append({"max_tokens": top, "factors": mine})
+
+    def known(kind, x, st):
+        e = echo_factors(echo, by_size, st.prompt)
+        return x / (contention[kind] if st.busy else 1.0) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
 
     def idle_curve(pairs):
         xs, ys = rising_curve(sorted(pairs), per_bin) if len(pairs) >= per_bin else ([1.0], [1.0])
         return {"idle_s": xs, "ratio": ys}
 
-    cold = {kind: [(role, max(idle, 1e-6), known(kind, x, k, busy)) for x, idle, k, busy, exp, role in v
-                   if idle is not None and not exp] for kind, v in ratios.items()}
+    cold = {kind: [(st.role, max(st.idle, 1e-6), known(kind, x, st)) for x, st in v
+                   if st.idle is not None and not st.transfer] for kind, v in ratios.items()}
     after = {kind: idle_curve([(i, y) for _, i, y in v]) for kind, v in cold.items()}
     by_role: dict[str, dict] = {}
     for kind, v in cold.items():
@@ -232,18 +261,19 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
             if len(mine) >= per_bin:
                 by_role.setdefault(role, {})[kind] = idle_curve(mine)
 
-    def idled(kind, idle, role):
-        return 1.0 if idle is None else curve_at(by_role.get(role, {}).get(kind, after[kind]), idle)
+    def idled(kind, st):
+        return 1.0 if st.idle is None else curve_at(by_role.get(st.role, {}).get(kind, after[kind]), st.idle)
 
-    transfer = {kind: med([known(kind, x, k, busy) / idled(kind, idle, role)
-                            for x, idle, k, busy, exp, role in v if exp]) for kind, v in ratios.items()}
-    residual = {kind: [known(kind, x, k, busy) / idled(kind, idle, role) / (transfer[kind] if exp else 1.0)
-                       for x, idle, k, busy, exp, role in v] for kind, v in ratios.items()}
-    count = {name: {kind: sum(bool(r[i]) if i != 1 else r[i] is not None for r in v) for kind, v in ratios.items()}
-             for name, i in (("after_idle_steps", 1), ("contended_steps", 3), ("transfer_steps", 4))}
-    return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_idle": after,
-            "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
-            "num": count | {"after_prefill_steps": sum(r[2] < ECHO_STEPS for r in ratios["decode"])}}
+    transfer = {kind: med([known(kind, x, st) / idled(kind, st) for x, st in v if st.transfer])
+                for kind, v in ratios.items()}
+    residual = {kind: [known(kind, x, st) / idled(kind, st) / (transfer[kind] if st.transfer else 1.0)
+                       for x, st in v] for kind, v in ratios.items()}
+    count = {kind: {"after_idle": sum(st.idle is not None for _, st in v), "contended": sum(st.busy for _, st in v),
+                    "transfer": sum(st.transfer for _, st in v)} for kind, v in ratios.items()}
+    return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_prefill_by_size": by_size,
+            "after_idle": after, "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
+            "num": {f"{name}_steps": {kind: c[name] for kind, c in count.items()} for name in ("after_idle", "contended", "transfer")}
+                   | {"after_prefill_steps": sum(st.k < ECHO_STEPS for _, st in ratios["decode"])}}
 
 
 def drift_fit(residual: list[float], at: list[tuple], max_lag: int = 8) -> dict | None:
@@ -277,15 +307,15 @@ def drift_fit(residual: list[float], at: list[tuple], max_lag: int = 8) -> dict 
             "step_interval_s": dt}
 
 
-def since_prefill(ss: list[dict]) -> dict[int, int]:
-    """id of each decode-only step of a worker -> how many decode-only steps came between the worker's
-    last step with prompt tokens and it (none before it: not listed)."""
-    out, k = {}, None
+def since_prefill(ss: list[dict]) -> dict[int, tuple[int, int]]:
+    """id of each decode-only step of a worker -> (how many decode-only steps came between the worker's
+    last step with prompt tokens and it, that step's prompt tokens); none before it: not listed."""
+    out, k, prompt = {}, None, 0
     for s in ss:
         if s["num_prefill_tokens"]:
-            k = 0
+            k, prompt = 0, s["num_prefill_tokens"]
         elif k is not None:
-            out[id(s)] = k
+            out[id(s)] = (k, prompt)
             k += 1
     return out
 

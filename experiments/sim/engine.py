@@ -28,7 +28,7 @@ from workers.config import EngineConfig, blocks_for
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
-from experiments.sim.stepmodel import features
+from experiments.sim.stepmodel import echo_factors, features
 
 NEVER = 1 << 30             # since_prefill of an engine that has run no step with prompt tokens
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
@@ -100,6 +100,7 @@ class SimEngine:
         self.fast_forward = fast_forward
         self.num_steps = 0
         self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
+        self.last_prompt = 0                   # that step's prompt tokens
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -150,12 +151,17 @@ class SimEngine:
             d *= self._contention(kind)
         if in_transfer:
             d *= self._transfer(kind)
-        echo = getattr(self.model, "after_prefill", None)
+        echo = self._echo()
         if kind == "decode" and echo and self.since_prefill < len(echo):
             d *= echo[self.since_prefill]
         if self.noise is not None:
             d *= self.noise.step_factor(kind, self, at)
         return sched, d
+
+    def _echo(self) -> list:
+        m = self.model
+        return echo_factors(getattr(m, "after_prefill", None), getattr(m, "after_prefill_by_size", None),
+                            self.last_prompt)
 
     def _contention(self, kind: str) -> float:
         return (getattr(self.model, "contention", None) or {}).get(kind, 1.0)
@@ -185,7 +191,10 @@ class SimEngine:
             if completes:
                 tokens.append((req, self._token(req, end)))
         self.num_steps += 1
-        self.since_prefill = 0 if sched.prefills else self.since_prefill + 1
+        if sched.prefills:
+            self.since_prefill, self.last_prompt = 0, sched.num_prefill_tokens
+        else:
+            self.since_prefill += 1
         return StepDone(tokens, list(sched.preempted))
 
     def _token(self, req: SimRequest, now: float) -> str | None:
@@ -266,7 +275,7 @@ class SimEngine:
             d[0] *= self.model.idle_factor("decode", idle_s)
         if contended:
             d *= self._contention("decode")
-        echo, k0 = getattr(self.model, "after_prefill", None), self.since_prefill
+        echo, k0 = self._echo(), self.since_prefill
         if echo and k0 < len(echo):
             j = min(k, len(echo) - k0)
             d[:j] *= np.asarray(echo[k0:k0 + j])

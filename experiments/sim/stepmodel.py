@@ -98,6 +98,7 @@ class LinearStepModel:
                                            # worker of its host has work takes x or y times longer
     kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
                                            # its worker is in flight (the worker's threads send or receive it)
+    after_prefill_by_size: list | None = None   # after_prefill by that step's prompt tokens (echo_factors)
 
     kind = "linear"
 
@@ -155,7 +156,7 @@ class LinearStepModel:
                 "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
                 "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
                 "after_prefill": self.after_prefill, "contention": self.contention,
-                "kv_transfer": self.kv_transfer}
+                "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -183,7 +184,7 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
-    after_prefill = contention = kv_transfer = None       # a datasheet GPU: no serving calibration
+    after_prefill = after_prefill_by_size = contention = kv_transfer = None       # a datasheet GPU: no serving calibration
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         return 1.0
@@ -289,6 +290,15 @@ def relative_errors(predicted, measured) -> dict:
             "mean": float(rel.mean()), "num": int(a.size)}
 
 
+def echo_factors(pooled: list | None, by_size: list | None, prompt: int) -> list:
+    """The after_prefill factors after a step of `prompt` prompt tokens: those of the first size bin
+    ({"max_tokens": N or None, "factors": [...]}, in increasing N) that holds it, else the pooled ones."""
+    for b in by_size or ():
+        if b["max_tokens"] is None or prompt <= b["max_tokens"]:
+            return b["factors"]
+    return pooled or []
+
+
 def curve_at(factor, x: float) -> float:
     """A factor that is a number, or a curve {"<x name>": xs, "ratio": ys} read at x: linear in log x
     between its points, flat beyond them."""
@@ -305,7 +315,8 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
         return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), float(d.get("scale", 1.0)),
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
                                d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
-                               d.get("contention"), d.get("kv_transfer"))
+                               d.get("contention"), d.get("kv_transfer"),
+                               d.get("after_prefill_by_size"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")
