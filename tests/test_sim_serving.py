@@ -47,16 +47,16 @@ def test_after_prefill_factors_follow_the_size_of_the_prefill_step(prompt, first
 
 
 @pytest.mark.parametrize("fast_forward", [True, False])
-def test_a_step_that_starts_while_the_other_worker_has_work_is_contended(fast_forward):
+def test_a_step_runs_slower_for_the_time_another_worker_of_its_host_has_work(fast_forward):
     # A (100 tokens, 6 out) alone on worker 0 from 0; B (100, 2) reaches worker 1 at 3.5 ms, which then
-    # has work until B's last token: worker 0's steps that start meanwhile take 2 x 1.1 ms
+    # has work until B's last token at 7.7: while it does, worker 0's decode work goes 2x slower
     c = with_model(costs(), contention={"decode": 2.0, "prefill": 1.0})
     sim = Simulator(colocated(policy="prefill_first", budget=4096, workers=2, fast_forward=fast_forward), c)
     a, b = sim.run([Arrival("a", 0.0, 100, 6), Arrival("b", 3.5 * MS, 100, 2)])
     assert (a.decode_worker, b.decode_worker) == ("colocated:0", "colocated:1")
-    # A: [2.0, 3.1] and [3.1, 4.2] alone (the step in flight at 3.5 keeps its time), [4.2, 6.4] and
-    # [6.4, 8.6] beside B, [8.6, 9.7] alone again (B ended at 7.7)
-    assert ms(a.token_times()) == pytest.approx([2.0, 3.1, 4.2, 6.4, 8.6, 9.7])
+    # A: [2.0, 3.1] alone; [3.1, 4.9]: 0.4 ms alone, its other 0.7 ms of work at half speed; [4.9, 7.1]
+    # beside B; [7.1, 8.5]: 0.6 ms beside B (0.3 ms of work), the other 0.8 ms alone; [8.5, 9.6] alone
+    assert ms(a.token_times()) == pytest.approx([2.0, 3.1, 4.9, 7.1, 8.5, 9.6])
     # B: prefill [3.5, 5.5] (prefill steps not slowed here), its decode [5.5, 7.7] beside A
     assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
 

@@ -18,29 +18,35 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
   prefill_first or prefill workers: one chunk from token 0; a chunked run's single-chunk steps), as
   measured / predicted by the profile, explained by the worker's State at the step's start
-  (state_factors): a step costs predicted x slowdown(predicted) x each factor whose state holds.
+  (state_factors): a step costs predicted x slowdown(predicted) x each factor whose state holds
+  (contention for the share of its time it holds).
   Figures below: the profile in profiles/ (calibration run of 18:48, 160 requests a layout):
   - slowdown: the median per bin of predicted time, made non-decreasing, over steps in none of the
     states below (1.01x at 3 ms, 1.06x from 6 ms);
   - contention: another worker of the host has work (a step in flight, or due after one that left
-    it work): 1.09x for decode steps, 1.23x for prefills, though each worker has a core of its own
-    (they share caches, memory bandwidth and the router's core);
+    it work): work goes 1.09x slower in decode steps, 1.22x in prefills while it does, though each
+    worker has a core of its own (they share caches, memory bandwidth and the router's core); a step
+    that shares a share f of its time runs 1 / (1 - f + f / c) longer (contended). Read at the start
+    only it missed most of it on long prefills: of the 1P+1D prompts that started with the decode
+    worker idle, the fifth it then worked beside for over 30% of the step ran 1.77x the profile, the
+    rest 1.47x (three runs of 18:55-19:00);
   - after_prefill: the decode-only steps 0, 1, 2, ... after the worker's last step with prompt
-    tokens: 1.39x, 1.25x, 1.13x, 1.07x, then within 4% (the prefill's activations pushed the weights
+    tokens: 1.39x, 1.25x, 1.14x, 1.07x, then within 4% (the prefill's activations pushed the weights
     and the KV out of the core's caches), and by that step's size (after_prefill_by_size): 1.32x
     after a chunk of up to 64 tokens, 1.41x up to 256, 1.46x beyond;
   - after_idle: a step that starts a worker from idle (its first, or one after a step that left it
-    nothing to do), as a curve by how long it idled: decode steps 1.09x after 7 ms to 1.55x after
-    170 ms, prefills 1.10x after 3 ms to 1.35x after 600 ms (the rest of the machine had its caches
+    nothing to do), as a curve by how long it idled: decode steps 1.09x after 7 ms to 1.56x after
+    170 ms, prefills 1.08x after 3 ms to 1.38x after 600 ms (the rest of the machine had its caches
     meanwhile); per role where a role has enough such steps (after_idle_by_role: a prefill worker
-    wakes to a whole prompt, 1.31-1.38x, a colocated one often to a 64-token chunk, which suffers less);
+    wakes to a whole prompt, 1.34-1.38x, a colocated one often to a 64-token chunk, which suffers less);
   - kv_transfer: a KV transfer from or to the worker is in flight (from the first token to the KV
-    landing): its threads serialise, send or receive it beside the step: 1.14x for a prefill
-    worker's prompt, 1.52x for a decode worker's step;
+    landing): its threads serialise, send or receive it beside the step: 1.47x for a decode worker's
+    step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
+    (read at the start, contention had left 1.14x here);
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (drift_fit): how that residual carries from one step of a worker to its next ones (rank
-  correlation 0.24 one step apart, 0.08 eight steps apart: weight 0.33, time constant 23 ms), what
+  correlation 0.23 one step apart, 0.09 eight steps apart: weight 0.32, time constant 24 ms), what
   spreads a request's TPOT;
 - handoff: the KV handoff as serving runs it, per transport: from the end of the prefill step that
   made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
@@ -102,6 +108,7 @@ def _read_stream(path: Path) -> str:
 
 
 ECHO_STEPS = 8      # decode-only steps after a prefill step that may have an after_prefill factor of their own
+ALONE = 0.1         # a step that shares at most this share of its time with another busy worker counts as alone
 PROMPT_SIZES = (64, 256, None)   # after_prefill_by_size's bins of the prefill step's prompt tokens (None: no top)
 
 
@@ -122,7 +129,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
     for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
-        contended, in_transfer = contended_steps(workers, ident["hosts"]), transfer_steps(workers, rows)
+        overlap, in_transfer = overlaps(workers, ident["hosts"]), transfer_steps(workers, rows)
         if ident["machine"].get("other_cores") is not None:
             others.append(ident["machine"]["other_cores"])
         whole = ident.get("mode") == "disaggregated" or ident.get("policy") == "prefill_first"
@@ -137,7 +144,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
                 k, prompt = since.get(id(s), (NEVER, 0))
-                state = State(idle.get(id(s)), k, id(s) in contended, id(s) in in_transfer, role, prompt)
+                state = State(idle.get(id(s)), k, overlap.get(id(s), 0.0), id(s) in in_transfer, role, prompt)
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
                     steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, state))
@@ -146,7 +153,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     f = chunk_features(0, 0, [(p, 0, True)])
                     steps_seen["prefill"].append((model.time(f), measured, state))
             if not whole:
-                steps_seen["prefill"] += [(p, m, State(idle.get(id(s)), NEVER, id(s) in contended, False, role, 0))
+                steps_seen["prefill"] += [(p, m, State(idle.get(id(s)), NEVER, overlap.get(id(s), 0.0), False, role, 0))
                                           for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
@@ -190,7 +197,7 @@ class State(NamedTuple):
 
     idle: float | None          # seconds its worker had been idle before it; None: it was busy
     k: int                      # decode-only steps between the worker's last step with prompt tokens and it
-    busy: bool                  # another worker of its host had work
+    busy: float                 # the share of its time another worker of its host had work
     transfer: bool              # a KV transfer from or to its worker was in flight
     role: str                   # its worker's role
     prompt: int                 # prompt tokens of the worker's last step with some (0: none yet)
@@ -198,8 +205,9 @@ class State(NamedTuple):
 
 def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     """The serving factors of a step by its State, from (predicted, measured, State) per step kind: the
-    slowdown curve from steps in none of the states below; then `contention` (another worker of the
-    host had work at its start), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the
+    slowdown curve from steps in none of the states below; then `contention` (work goes that much
+    slower while another worker of the host has work: from steps that shared at least 1 - ALONE of
+    their time with one, the rest priced by their share: contended), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the
     worker's last step with prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS),
     and `after_prefill_by_size` the same per size of that step (PROMPT_SIZES: a 64-token chunk pushes
     less out of the caches than a whole prompt); `after_idle`, per kind, a curve by the time the
@@ -211,7 +219,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything modelled, what
     the noise tables are made of."""
     plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v
-                   if not (st.idle is not None or st.busy or st.transfer or st.k < ECHO_STEPS))
+                   if not (st.idle is not None or st.busy > ALONE or st.transfer or st.k < ECHO_STEPS))
     if len(plain) < per_bin:      # too few steps in no state at all: the curve over every step from busy
         plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v if st.idle is None)
     slowdown = slowdown_curve(plain, per_bin)
@@ -222,13 +230,13 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     def med(xs):
         return statistics.median(xs) if len(xs) >= per_bin else 1.0
 
-    contention = {kind: med([x for x, st in v if st.busy and not st.transfer and st.idle is None and st.k >= ECHO_STEPS])
-                  for kind, v in ratios.items()}
+    contention = {kind: med([x for x, st in v if st.busy >= 1 - ALONE and not st.transfer and st.idle is None
+                             and st.k >= ECHO_STEPS]) for kind, v in ratios.items()}
 
     def echo_of(steps):
         out = []
         for j in range(ECHO_STEPS):
-            xs = [x / (contention["decode"] if st.busy else 1.0) for x, st in steps
+            xs = [x / contended(st.busy, contention["decode"]) for x, st in steps
                   if st.k == j and st.idle is None and not st.transfer]
             if len(xs) < per_bin:
                 break
@@ -245,7 +253,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
 
     def known(kind, x, st):
         e = echo_factors(echo, by_size, st.prompt)
-        return x / (contention[kind] if st.busy else 1.0) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
+        return x / contended(st.busy, contention[kind]) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
 
     def idle_curve(pairs):
         xs, ys = rising_curve(sorted(pairs), per_bin) if len(pairs) >= per_bin else ([1.0], [1.0])
@@ -268,7 +276,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
                 for kind, v in ratios.items()}
     residual = {kind: [known(kind, x, st) / idled(kind, st) / (transfer[kind] if st.transfer else 1.0)
                        for x, st in v] for kind, v in ratios.items()}
-    count = {kind: {"after_idle": sum(st.idle is not None for _, st in v), "contended": sum(st.busy for _, st in v),
+    count = {kind: {"after_idle": sum(st.idle is not None for _, st in v), "contended": sum(st.busy >= 0.5 for _, st in v),
                     "transfer": sum(st.transfer for _, st in v)} for kind, v in ratios.items()}
     return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_prefill_by_size": by_size,
             "after_idle": after, "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
@@ -320,27 +328,37 @@ def since_prefill(ss: list[dict]) -> dict[int, tuple[int, int]]:
     return out
 
 
-def contended_steps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> set[int]:
-    """ids of the steps that started while another worker of their host had work: was in a step, or
+def overlaps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> dict[int, float]:
+    """id of each step -> the share of its time another worker of its host had work: was in a step, or
     between two steps after one that left it work (running or waiting requests). Workers without a
     host in `hosts` (a run whose metrics do not say) share one."""
     busy = {}
     for w, ss in workers.items():
-        starts = [s["start_s"] for s in ss]
-        ends = [nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"]
-                for cur, nxt in zip(ss, ss[1:])] + [ss[-1]["end_s"]] if ss else []
-        busy[w] = (starts, ends)
-    out = set()
+        busy[w] = [(cur["start_s"], nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"])
+                   for cur, nxt in zip(ss, ss[1:])] + ([(ss[-1]["start_s"], ss[-1]["end_s"])] if ss else [])
+    out = {}
     for w, ss in workers.items():
-        others = [busy[o] for o in workers if o != w and hosts.get(o) == hosts.get(w)]
+        merged: list[list[float]] = []
+        for a, b in sorted(iv for o in workers if o != w and hosts.get(o) == hosts.get(w) for iv in busy[o]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        starts = [a for a, _ in merged]
         for s in ss:
-            t = s["start_s"]
-            for starts, ends in others:
-                i = bisect.bisect_right(starts, t) - 1
-                if i >= 0 and t < ends[i]:
-                    out.add(id(s))
-                    break
+            t0, t1 = s["start_s"], s["end_s"]
+            covered, i = 0.0, max(0, bisect.bisect_right(starts, t0) - 1)
+            while i < len(merged) and merged[i][0] < t1:
+                covered += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
+                i += 1
+            out[id(s)] = covered / (t1 - t0) if t1 > t0 else float(any(a <= t0 < b for a, b in merged[i - 1:i]))
     return out
+
+
+def contended(overlap: float, c: float) -> float:
+    """How much longer a step runs that shares `overlap` of its time with another busy worker, when
+    sharing makes work go c times slower: its work W took (1 - f) T + f T / c = W, so T = W / (1 - f + f / c)."""
+    return 1.0 / (1.0 - overlap + overlap / c)
 
 
 def transfer_steps(workers: dict[str, list[dict]], rows: list[dict]) -> set[int]:

@@ -136,7 +136,8 @@ class SimEngine:
                  at: float = 0.0) -> tuple[SchedulerOutput, float]:
         """The real scheduler's next step and its modelled duration (0.0 for an empty step), times the
         model's serving factors for the worker's state: `after_idle` (it starts the worker after
-        `idle_s` seconds idle; None: it was busy), `contended` (another worker of its host has work),
+        `idle_s` seconds idle; None: it was busy), `contended` (another worker of its host has work at its start:
+        the simulator rescales the step if that changes before it ends),
         `in_transfer` (a KV transfer from or to it is in flight) and, for a decode-only step,
         `after_prefill` (by the decode-only steps since the worker's last step with prompt tokens); its
         noise is drawn for a step starting `at`."""

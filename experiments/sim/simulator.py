@@ -311,11 +311,32 @@ class Simulator:
             self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
 
     def _busy(self, w: SimWorker, busy: bool) -> None:
-        """w gets work or goes idle; a run of the host's other busy worker whose contention that flips is
-        cut, so its steps after now are timed in the new state."""
+        """w gets work or goes idle. The host's other busy worker, whose contention that flips, runs the
+        rest of its step in flight at the new rate (its remaining time scaled by new / old factor), and
+        its decode run is cut after that step, so the steps after it are timed in the new state."""
         for o in self.hosts.mark(w, busy):
+            if o.state not in ("run", "step"):
+                continue
+            kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
+            c = o.engine._contention(kind) if self.hosts.contended(o) else 1.0
             if o.state == "run":
                 self._cut(o)
+                m = o.run_steps
+                start, end = float(o.run.starts[m - 1]), float(o.run.ends[m - 1])
+            else:
+                start, end = o.step_start, o.step_end
+            if c == o.step_c or end <= self.now:
+                o.step_c = c
+                continue
+            end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
+            o.step_c = c
+            o.version += 1
+            if o.state == "run":
+                o.run.ends[m - 1] = end
+                self.push(end, self._run_end, o, o.version)
+            else:
+                o.step_end = end
+                self.push(end, self._step_end, o, o.version)
 
     def _take_inbox(self, w: SimWorker) -> None:
         e = w.engine
@@ -364,6 +385,7 @@ class Simulator:
         contended = self.hosts.contended(w)
         if k >= 1:
             run = e.start_run(t, k, idle_s, contended, w.transfer[1] if w.transfer[0] <= t else 0.0)
+            w.step_c = e._contention("decode") if contended else 1.0
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
@@ -373,7 +395,8 @@ class Simulator:
             w.state = "idle"                        # nothing it can schedule until something changes
             self._busy(w, False)
             return
-        w.sched, w.step_start, w.state = sched, t, "step"
+        w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
+        w.step_c = e._contention("prefill" if sched.prefills else "decode") if contended else 1.0
         self.push(t + d, self._step_end, w, w.version)
 
     def _step_end(self, w: SimWorker, version: int) -> None:

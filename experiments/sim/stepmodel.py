@@ -94,8 +94,8 @@ class LinearStepModel:
                                            # each a number or {"idle_s": [...], "ratio": [...]} (curve_at)
     after_prefill: list | None = None      # [x0, x1, ...]: the decode-only step that follows k others since the
                                            # worker's last step with prompt tokens takes x_k times longer
-    contention: dict | None = None         # {"decode": x, "prefill": y}: a step that starts while another
-                                           # worker of its host has work takes x or y times longer
+    contention: dict | None = None         # {"decode": x, "prefill": y}: while another worker of its host
+                                           # has work, a step's work goes x or y times slower
     kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
                                            # its worker is in flight (the worker's threads send or receive it)
     after_prefill_by_size: list | None = None   # after_prefill by that step's prompt tokens (echo_factors)

@@ -47,6 +47,8 @@ class SimWorker:
     arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
     sched: object = None                   # the scheduled step in flight
     step_start: float = 0.0
+    step_end: float = 0.0
+    step_c: float = 1.0                    # the contention factor its step in flight runs at now
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
     run: DecodeRun | None = None
@@ -89,9 +91,10 @@ class SimWorker:
 
 
 class HostLoad:
-    """Which workers of each host have work (are not idle). A step that starts while another worker of its
-    host has work takes the step model's `contention` factor longer (on a CPU they share cores, caches and
-    memory bandwidth); `on` is False when the model has none, and then nothing is tracked."""
+    """Which workers of each host have work (are not idle). While another worker of its host has work, a
+    step's work goes the step model's `contention` factor slower (on a CPU they share cores, caches and
+    memory bandwidth; the simulator rescales a step in flight when that changes); `on` is False when the
+    model has none, and then nothing is tracked."""
 
     def __init__(self, workers: list[SimWorker], on: bool):
         self.on = on
