@@ -16,10 +16,11 @@ import pytest
 from experiments.analysis.calibrate import calibrate, drift_fit
 from experiments.sim.noise import Noise
 from experiments.sim.records import request_row
-from experiments.sim.simulator import Arrival, Simulator
+from experiments.sim.simulator import Arrival, SimConfig, Simulator
 from experiments.sim.stepmodel import curve_at, model_from_dict
 from tests.conftest import ROOT
 from tests.test_sim import MS, colocated, costs, ms
+from workers.config import EngineConfig
 
 
 def with_model(c, **factors):
@@ -71,6 +72,18 @@ def test_a_step_after_idle_takes_the_factor_of_how_long_its_worker_idled():
     # A: idle since the start (0 s: the curve's low end, 1x); B after 100 ms idle: 2 x 2.0 ms
     assert ms(a.token_times()) == pytest.approx([2.0])
     assert ms(b.token_times()) == pytest.approx([106.0])
+
+
+def test_a_kv_send_whose_sender_steps_on_at_once_takes_the_busy_factor():
+    # A's prompt [0, 2.0]; B reached the prefill worker at 1 ms, so it prefills B straight after and A's
+    # KV (100 x 1000 bytes over 0.5 ms + 1 GB/s: 0.6 ms) takes 2x; B's, with nothing behind it, 0.6 ms
+    cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
+                                            "decode": EngineConfig(policy="chunked", token_budget=64)},
+                    {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    c = dataclasses.replace(costs(), handoff_busy=2.0)
+    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 2), Arrival("b", 1.0 * MS, 100, 2)])
+    assert request_row(a)["transfer_s"] == pytest.approx(1.2 * MS)
+    assert request_row(b)["transfer_s"] == pytest.approx(0.6 * MS)
 
 
 def test_drift_keeps_each_draw_s_distribution_and_correlates_draws_close_in_time():

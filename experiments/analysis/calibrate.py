@@ -123,7 +123,7 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
     returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
-    handoffs: dict[str, list[tuple[int, float]]] = {}        # transport -> (bytes, exposed seconds)
+    handoffs: dict[str, list[tuple]] = {}          # transport -> (bytes, exposed seconds, sender busy)
     # (predicted, measured seconds, State)
     steps_seen = {"decode": [], "prefill": []}
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
@@ -165,7 +165,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             if (ident.get("mode") == "disaggregated" and ident.get("stream") == "off" and r.get("transfer_bytes")
                     and (r.get("exposed_transfer_s") or 0) > 0):
                 handoffs.setdefault(ident.get("transfer") or "zmq", []).append(
-                    (r["transfer_bytes"], r["exposed_transfer_s"]))
+                    (r["transfer_bytes"], r["exposed_transfer_s"], sender_busy(workers.get(r["prefill_worker"], []),
+                                                                               r["arrival_s"] + r["ttft_s"])))
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     factors = state_factors(steps_seen, model, per_bin)
@@ -383,21 +384,37 @@ def transfer_steps(workers: dict[str, list[dict]], rows: list[dict]) -> set[int]
     return out
 
 
-def handoff_fits(handoffs: dict[str, list[tuple[int, float]]], per_bin: int) -> dict:
+def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
     """Per transport, exposed handoff seconds = latency + bytes / bandwidth over the measured handoffs
-    (at least `per_bin` of them, at two sizes or more), its fit error, and the quantiles of measured /
-    fitted (median 1) for the simulator's draws."""
+    (at least `per_bin` of them, at two sizes or more) whose sender went idle after the prefill, its fit
+    error; `busy`: how much longer one takes whose sender stepped again at once (sender_busy: its
+    sender thread then shares the core with the next prompt; 1.25x in the calibration run of 18:48,
+    1.59x on three runs after it), the median of measured / fitted over those (1.0 with fewer than
+    `per_bin`); and the quantiles of measured / (fitted x busy where it applies), median 1, for the
+    simulator's draws."""
     from experiments.sim.transfer import fit_transfer
 
     out = {}
     for transport, pairs in handoffs.items():
-        if len(pairs) < per_bin or len({b for b, _ in pairs}) < 2:
+        quiet = [(b, s) for b, s, busy in pairs if not busy]
+        if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
+            quiet = [(b, s) for b, s, _ in pairs]
+        if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
             continue
-        model, err = fit_transfer([b for b, _ in pairs], [s for _, s in pairs], f"{transport} (serving)")
-        ratios = [s / model.seconds(b) for b, s in pairs]
-        out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs),
-                                            "noise": quantiles(ratios, normalise=True)}
+        model, err = fit_transfer([b for b, _ in quiet], [s for _, s in quiet], f"{transport} (serving)")
+        busy = [s / model.seconds(b) for b, s, x in pairs if x]
+        factor = statistics.median(busy) if len(busy) >= per_bin else 1.0
+        ratios = [s / model.seconds(b) / (factor if x else 1.0) for b, s, x in pairs]
+        out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs), "busy": factor,
+                                            "num_busy": len(busy), "noise": quantiles(ratios, normalise=True)}
     return out
+
+
+def sender_busy(steps: list[dict], first_token: float, within_s: float = 1e-3) -> bool:
+    """The prefill worker started its next step within `within_s` of the step that made a request's first
+    token (it had the next prompt already)."""
+    i = bisect.bisect_left([s["start_s"] for s in steps], first_token)
+    return i < len(steps) and steps[i]["start_s"] - first_token <= within_s
 
 
 def after_idle(ss: list[dict]) -> dict[int, float]:

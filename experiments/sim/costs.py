@@ -37,6 +37,7 @@ class Costs:
     detail: dict = field(default_factory=dict)     # the profile's conditions (machine load, fit errors)
     noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
     role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
+    handoff_busy: float = 1.0                      # a KV send whose sender steps on at once takes this much longer
 
     def step_for(self, role: str):
         return self.role_step.get(role, self.step)
@@ -94,7 +95,7 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
                  {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
                   "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
                   "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores")},
-                 noise, role_step)
+                 noise, role_step, (served or {}).get("busy", 1.0))
 
 
 def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:

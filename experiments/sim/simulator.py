@@ -493,9 +493,10 @@ class Simulator:
             last = min(1.0, self.cfg.transfer.stream_layers / self.cfg.num_layers)
         else:
             last = min(1.0, last_chunk / max(att.prompt_len, 1))
+        busy = self.costs.handoff_busy if (w.engine.has_work() or w.inbox or w.arrivals) else 1.0
         start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
                                       req.first_scheduled_time if stream != "off" else None, last,
-                                      self.noise.factor("handoff"))
+                                      self.noise.factor("handoff") * busy)
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
         for x in (w, d):                        # both ends' threads work on it from the prefill's end
             x.transfer = (x.transfer[0], max(x.transfer[1], done)) if x.transfer[1] >= ready else (ready, done)
