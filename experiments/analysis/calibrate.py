@@ -388,7 +388,7 @@ def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
     """Per transport, exposed handoff seconds = latency + bytes / bandwidth over the measured handoffs
     (at least `per_bin` of them, at two sizes or more) whose sender went idle after the prefill, its fit
     error; `busy`: how much longer one takes whose sender stepped again at once (sender_busy: its
-    sender thread then shares the core with the next prompt; 1.25x in the calibration run of 18:48,
+    sender thread then shares the core with the next prompt; 1.27x in the calibration run of 18:48,
     1.59x on three runs after it), the median of measured / fitted over those (1.0 with fewer than
     `per_bin`); and the quantiles of measured / (fitted x busy where it applies), median 1, for the
     simulator's draws."""
