@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from experiments.analysis.calibrate import calibrate, drift_fit
+from experiments.analysis.calibrate import calibrate
+from experiments.analysis.step_states import drift_fit
 from experiments.sim.noise import Noise
 from experiments.sim.records import request_row
 from experiments.sim.simulator import Arrival, SimConfig, Simulator

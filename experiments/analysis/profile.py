@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.serving.machine import snapshot, usage
-from experiments.sim.stepmodel import LINEAR_TERMS, LinearStepModel, chunk_features, fit_linear, relative_errors
+from experiments.sim.stepmodel import LinearStepModel, chunk_features, fit_linear, relative_errors
 from experiments.sim.transfer import fit_transfer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -149,7 +149,7 @@ class SimEngine:
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d *= self.model.idle_factor(kind, idle_s)
         if contended:
-            d *= self._contention(kind)
+            d *= self.contention(kind)
         if in_transfer:
             d *= self._transfer(kind)
         echo = self._echo()
@@ -164,7 +164,8 @@ class SimEngine:
         return echo_factors(getattr(m, "after_prefill", None), getattr(m, "after_prefill_by_size", None),
                             self.last_prompt)
 
-    def _contention(self, kind: str) -> float:
+    def contention(self, kind: str) -> float:
+        """How much slower a step of `kind` works while another worker of its host has work."""
         return (getattr(self.model, "contention", None) or {}).get(kind, 1.0)
 
     def _transfer(self, kind: str) -> float:
@@ -275,7 +276,7 @@ class SimEngine:
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d[0] *= self.model.idle_factor("decode", idle_s)
         if contended:
-            d *= self._contention("decode")
+            d *= self.contention("decode")
         echo, k0 = self._echo(), self.since_prefill
         if echo and k0 < len(echo):
             j = min(k, len(echo) - k0)

@@ -318,7 +318,7 @@ class Simulator:
             if o.state not in ("run", "step"):
                 continue
             kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
-            c = o.engine._contention(kind) if self.hosts.contended(o) else 1.0
+            c = o.engine.contention(kind) if self.hosts.contended(o) else 1.0
             if o.state == "run":
                 self._cut(o)
                 m = o.run_steps
@@ -385,7 +385,7 @@ class Simulator:
         contended = self.hosts.contended(w)
         if k >= 1:
             run = e.start_run(t, k, idle_s, contended, w.transfer[1] if w.transfer[0] <= t else 0.0)
-            w.step_c = e._contention("decode") if contended else 1.0
+            w.step_c = e.contention("decode") if contended else 1.0
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
@@ -396,7 +396,7 @@ class Simulator:
             self._busy(w, False)
             return
         w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
-        w.step_c = e._contention("prefill" if sched.prefills else "decode") if contended else 1.0
+        w.step_c = e.contention("prefill" if sched.prefills else "decode") if contended else 1.0
         self.push(t + d, self._step_end, w, w.version)
 
     def _step_end(self, w: SimWorker, version: int) -> None:

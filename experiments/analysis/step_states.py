@@ -1,0 +1,265 @@
+"""A step's serving state, and what each state costs, from a real run's steps.jsonl and requests.jsonl.
+
+experiments/analysis/calibrate.py reads a run and hands each step it can predict (its features known
+from the records) here with its State at its start: how long its worker had been idle, how many
+decode-only steps since its last step with prompt tokens (and that step's size), the share of its
+time another worker of its host had work, whether a KV transfer from or to its worker was in
+flight, and its worker's role. `state_factors` prices each state as a factor on the profile's
+prediction and leaves the rest as residual noise; `drift_fit` measures how that residual carries
+from step to step. The simulator applies the same factors in the same states (experiments/sim/).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import statistics
+from typing import NamedTuple
+
+import numpy as np
+
+from experiments.sim.stepmodel import curve_at, echo_factors
+
+
+ECHO_STEPS = 8      # decode-only steps after a prefill step that may have an after_prefill factor of their own
+
+
+ALONE = 0.1         # a step that shares at most this share of its time with another busy worker counts as alone
+
+
+PROMPT_SIZES = (64, 256, None)   # after_prefill_by_size's bins of the prefill step's prompt tokens (None: no top)
+
+
+class State(NamedTuple):
+    """A step's serving state at its start (state_factors)."""
+
+    idle: float | None          # seconds its worker had been idle before it; None: it was busy
+    k: int                      # decode-only steps between the worker's last step with prompt tokens and it
+    busy: float                 # the share of its time another worker of its host had work
+    transfer: bool              # a KV transfer from or to its worker was in flight
+    role: str                   # its worker's role
+    prompt: int                 # prompt tokens of the worker's last step with some (0: none yet)
+
+
+def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
+    """The serving factors of a step by its State, from (predicted, measured, State) per step kind: the
+    slowdown curve from steps in none of the states below; then `contention` (work goes that much
+    slower while another worker of the host has work: from steps that shared at least 1 - ALONE of
+    their time with one, the rest priced by their share: contended), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the
+    worker's last step with prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS),
+    and `after_prefill_by_size` the same per size of that step (PROMPT_SIZES: a 64-token chunk pushes
+    less out of the caches than a whole prompt); `after_idle`, per kind, a curve by the time the
+    worker had been idle (the longer, the more of its caches the rest of the machine has taken: never
+    less), from steps in no transfer, and `after_idle_by_role` the same per role where one has
+    `per_bin` such steps of a kind (a prefill worker wakes to a whole prompt, a colocated one often to
+    a chunk of one); `kv_transfer` (a KV transfer from or to the worker in flight: its threads send or
+    receive it), per kind. Each is the median of measured / (curve x the factors already found) over
+    its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything modelled, what
+    the noise tables are made of."""
+    plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v
+                   if not (st.idle is not None or st.busy > ALONE or st.transfer or st.k < ECHO_STEPS))
+    if len(plain) < per_bin:      # too few steps in no state at all: the curve over every step from busy
+        plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v if st.idle is None)
+    slowdown = slowdown_curve(plain, per_bin)
+    curve = type(model)(list(model.coef), list(model.gap_coef), slowdown={"pred_s": slowdown[0], "ratio": slowdown[1]},
+                        terms=model.terms)
+    ratios = {kind: [(m / curve._slowed(p), st) for p, m, st in v] for kind, v in steps_seen.items()}
+
+    def med(xs):
+        return statistics.median(xs) if len(xs) >= per_bin else 1.0
+
+    contention = {kind: med([x for x, st in v if st.busy >= 1 - ALONE and not st.transfer and st.idle is None
+                             and st.k >= ECHO_STEPS]) for kind, v in ratios.items()}
+
+    def echo_of(steps):
+        out = []
+        for j in range(ECHO_STEPS):
+            xs = [x / contended(st.busy, contention["decode"]) for x, st in steps
+                  if st.k == j and st.idle is None and not st.transfer]
+            if len(xs) < per_bin:
+                break
+            out.append(statistics.median(xs))
+        return out
+
+    echo = echo_of(ratios["decode"])
+    by_size = []
+    for i, top in enumerate(PROMPT_SIZES):
+        low = PROMPT_SIZES[i - 1] if i else 0
+        mine = echo_of([(x, st) for x, st in ratios["decode"] if low < st.prompt <= (top or math.inf)])
+        if mine:
+            by_size.append({"max_tokens": top, "factors": mine})
+
+    def known(kind, x, st):
+        e = echo_factors(echo, by_size, st.prompt)
+        return x / contended(st.busy, contention[kind]) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
+
+    def idle_curve(pairs):
+        xs, ys = rising_curve(sorted(pairs), per_bin) if len(pairs) >= per_bin else ([1.0], [1.0])
+        return {"idle_s": xs, "ratio": ys}
+
+    cold = {kind: [(st.role, max(st.idle, 1e-6), known(kind, x, st)) for x, st in v
+                   if st.idle is not None and not st.transfer] for kind, v in ratios.items()}
+    after = {kind: idle_curve([(i, y) for _, i, y in v]) for kind, v in cold.items()}
+    by_role: dict[str, dict] = {}
+    for kind, v in cold.items():
+        for role in sorted({r for r, _, _ in v}):
+            mine = [(i, y) for r, i, y in v if r == role]
+            if len(mine) >= per_bin:
+                by_role.setdefault(role, {})[kind] = idle_curve(mine)
+
+    def idled(kind, st):
+        return 1.0 if st.idle is None else curve_at(by_role.get(st.role, {}).get(kind, after[kind]), st.idle)
+
+    transfer = {kind: med([known(kind, x, st) / idled(kind, st) for x, st in v if st.transfer])
+                for kind, v in ratios.items()}
+    residual = {kind: [known(kind, x, st) / idled(kind, st) / (transfer[kind] if st.transfer else 1.0)
+                       for x, st in v] for kind, v in ratios.items()}
+    count = {kind: {"after_idle": sum(st.idle is not None for _, st in v), "contended": sum(st.busy >= 0.5 for _, st in v),
+                    "transfer": sum(st.transfer for _, st in v)} for kind, v in ratios.items()}
+    return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_prefill_by_size": by_size,
+            "after_idle": after, "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
+            "num": {f"{name}_steps": {kind: c[name] for kind, c in count.items()} for name in ("after_idle", "contended", "transfer")}
+                   | {"after_prefill_steps": sum(st.k < ECHO_STEPS for _, st in ratios["decode"])}}
+
+
+def drift_fit(residual: list[float], at: list[tuple], max_lag: int = 8) -> dict | None:
+    """How a worker's unexplained slowness carries from step to step: the rank correlation of its
+    decode steps' residuals k steps apart (k = 1..max_lag, pooled over workers), fitted as weight x
+    rho^k (a part `weight` of the noise drifts, rho per step, the rest is fresh each step); tau_s =
+    the time rho takes per step (the median interval between a busy worker's decode starts) as a
+    time constant: noise drawn tau_s apart is correlated weight / e. None with too few steps."""
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    for r, (rep, worker, start) in zip(residual, at):
+        series.setdefault((rep, worker), []).append((start, math.log(r)))
+    lags, pairs, intervals = [], {k: ([], []) for k in range(1, max_lag + 1)}, []
+    for xs in series.values():
+        xs.sort()
+        intervals += [b[0] - a[0] for a, b in zip(xs, xs[1:])]
+        ranks = np.argsort(np.argsort([x for _, x in xs])) / max(len(xs) - 1, 1)
+        for k, (a, b) in pairs.items():
+            a.extend(ranks[:-k])
+            b.extend(ranks[k:])
+    if len(pairs[max_lag][0]) < 100:
+        return None
+    for k, (a, b) in pairs.items():
+        lags.append(float(np.corrcoef(a, b)[0, 1]))
+    ks = [k for k, c in zip(pairs, lags) if c > 0.02]
+    if len(ks) < 2 or ks[0] != 1:
+        return {"weight": 0.0, "rho": 0.0, "tau_s": 0.0, "lags": lags}
+    slope, icpt = np.polyfit(ks, [math.log(lags[k - 1]) for k in ks], 1)
+    rho, weight = min(math.exp(slope), 0.999), min(math.exp(icpt), 1.0)
+    dt = statistics.median(intervals)
+    return {"weight": weight, "rho": rho, "tau_s": -dt / math.log(rho) if rho > 0 else 0.0, "lags": lags,
+            "step_interval_s": dt}
+
+
+def since_prefill(ss: list[dict]) -> dict[int, tuple[int, int]]:
+    """id of each decode-only step of a worker -> (how many decode-only steps came between the worker's
+    last step with prompt tokens and it, that step's prompt tokens); none before it: not listed."""
+    out, k, prompt = {}, None, 0
+    for s in ss:
+        if s["num_prefill_tokens"]:
+            k, prompt = 0, s["num_prefill_tokens"]
+        elif k is not None:
+            out[id(s)] = (k, prompt)
+            k += 1
+    return out
+
+
+def overlaps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> dict[int, float]:
+    """id of each step -> the share of its time another worker of its host had work: was in a step, or
+    between two steps after one that left it work (running or waiting requests). Workers without a
+    host in `hosts` (a run whose metrics do not say) share one."""
+    busy = {}
+    for w, ss in workers.items():
+        busy[w] = [(cur["start_s"], nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"])
+                   for cur, nxt in zip(ss, ss[1:])] + ([(ss[-1]["start_s"], ss[-1]["end_s"])] if ss else [])
+    out = {}
+    for w, ss in workers.items():
+        merged: list[list[float]] = []
+        for a, b in sorted(iv for o in workers if o != w and hosts.get(o) == hosts.get(w) for iv in busy[o]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        starts = [a for a, _ in merged]
+        for s in ss:
+            t0, t1 = s["start_s"], s["end_s"]
+            covered, i = 0.0, max(0, bisect.bisect_right(starts, t0) - 1)
+            while i < len(merged) and merged[i][0] < t1:
+                covered += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
+                i += 1
+            out[id(s)] = covered / (t1 - t0) if t1 > t0 else float(any(a <= t0 < b for a, b in merged[i - 1:i]))
+    return out
+
+
+def contended(overlap: float, c: float) -> float:
+    """How much longer a step runs that shares `overlap` of its time with another busy worker, when
+    sharing makes work go c times slower: its work W took (1 - f) T + f T / c = W, so T = W / (1 - f + f / c)."""
+    return 1.0 / (1.0 - overlap + overlap / c)
+
+
+def transfer_steps(workers: dict[str, list[dict]], rows: list[dict]) -> set[int]:
+    """ids of the steps of a worker that started while a KV transfer from or to it was in flight: from
+    the request's first token to its KV landing (exposed_transfer_s), on its prefill and decode worker."""
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("exposed_transfer_s") and r.get("ttft_s") is not None and r.get("prefill_worker"):
+            t = r["arrival_s"] + r["ttft_s"]
+            for w in (r["prefill_worker"], r.get("decode_worker")):
+                if w:
+                    windows.setdefault(w, []).append((t, t + r["exposed_transfer_s"]))
+    out = set()
+    for w, ws in windows.items():
+        ws.sort()
+        starts = [a for a, _ in ws]
+        latest = list(itertools.accumulate((b for _, b in ws), max))      # the latest end among windows begun
+        for s in workers.get(w, []):
+            i = bisect.bisect_right(starts, s["start_s"]) - 1
+            if i >= 0 and s["start_s"] < latest[i]:
+                out.add(id(s))
+    return out
+
+
+def after_idle(ss: list[dict]) -> dict[int, float]:
+    """id -> seconds idle before, of a worker's steps that start it from idle: its first (idle since
+    the run began), and each after a step that left it no work (nothing running, nothing waiting)."""
+    out = {id(ss[0]): max(0.0, ss[0]["start_s"])} if ss else {}
+    for cur, nxt in zip(ss, ss[1:]):
+        if not (cur["num_running"] or cur["num_waiting"]):
+            out[id(nxt)] = max(0.0, nxt["start_s"] - cur["end_s"])
+    return out
+
+
+def slowdown_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
+    """(predicted seconds, median measured / predicted) per bin of predicted time (rising_curve): a
+    longer step is never less slowed, as contention for the cores interrupts a long step more often."""
+    return rising_curve(sorted((p, m / p) for p, m in pairs), per_bin)
+
+
+def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
+    """(median x, median y) per bin of x over (x, y) pairs sorted by x: bins a factor of 1.25 wide,
+    merged with the next until they hold `per_bin` pairs (the last with the one before); the medians
+    then made non-decreasing, pooling adjacent bins that break it (isotonic regression on medians)."""
+    bins, cur, edge = [], [], None
+    for x, y in pairs:
+        if edge is None:
+            edge = x * 1.25
+        if x > edge and len(cur) >= per_bin:
+            bins.append(cur)
+            cur, edge = [], x * 1.25
+        cur.append((x, y))
+    if cur:
+        if bins and len(cur) < per_bin:
+            bins[-1] += cur
+        else:
+            bins.append(cur)
+    blocks = [[statistics.median(x for x, _ in b), statistics.median(y for _, y in b), len(b)] for b in bins if b]
+    out: list[list[float]] = []
+    for blk in blocks:
+        out.append(blk)
+        while len(out) > 1 and out[-2][1] > out[-1][1]:
+            b2, b1 = out.pop(), out.pop()
+            w = b1[2] + b2[2]
+            out.append([(b1[0] * b1[2] + b2[0] * b2[2]) / w, (b1[1] * b1[2] + b2[1] * b2[2]) / w, w])
+    return [float(b[0]) for b in out], [float(b[1]) for b in out]
