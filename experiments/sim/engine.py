@@ -151,7 +151,7 @@ class SimEngine:
         if contended:
             d *= self.contention(kind)
         if in_transfer:
-            d *= self._transfer(kind)
+            d *= self.transfer_factor(kind)
         echo = self._echo()
         if kind == "decode" and echo and self.since_prefill < len(echo):
             d *= echo[self.since_prefill]
@@ -168,7 +168,8 @@ class SimEngine:
         """How much slower a step of `kind` works while another worker of its host has work."""
         return (getattr(self.model, "contention", None) or {}).get(kind, 1.0)
 
-    def _transfer(self, kind: str) -> float:
+    def transfer_factor(self, kind: str) -> float:
+        """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""
         return (getattr(self.model, "kv_transfer", None) or {}).get(kind, 1.0)
 
     def gap(self, num_seqs: int, quiet: bool = False) -> float:
@@ -283,7 +284,7 @@ class SimEngine:
             d[:j] *= np.asarray(echo[k0:k0 + j])
         if transfer_until > start:
             j = int(np.searchsorted(np.cumsum(d), transfer_until - start, side="left")) + 1
-            d[:j] *= self._transfer("decode")
+            d[:j] *= self.transfer_factor("decode")
         gap = np.full(k, self.model.gap(b))
         if self.noise is not None:
             starts = start + np.concatenate(([0.0], np.cumsum(d + gap)[:-1]))     # as if without noise

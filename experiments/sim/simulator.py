@@ -500,8 +500,8 @@ class Simulator:
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
         for x in (w, d):                        # both ends' threads work on it from the prefill's end
             x.transfer = (x.transfer[0], max(x.transfer[1], done)) if x.transfer[1] >= ready else (ready, done)
-        if d.state == "run":
-            self._cut(d)
+        if d.state == "run" and d.engine.transfer_factor("decode") != 1.0:
+            self._cut(d)                        # its steps from now on are in the transfer's window
         att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
         att.dreq.num_out, att.dreq.attempt = 1, att
         self.push(done, self._kv_arrived, att)
