@@ -315,28 +315,23 @@ class Simulator:
         rest of its step in flight at the new rate (its remaining time scaled by new / old factor), and
         its decode run is cut after that step, so the steps after it are timed in the new state."""
         for o in self.hosts.mark(w, busy):
-            if o.state not in ("run", "step"):
+            if o.state == "run":
+                self._cut(o)
+            elif o.state != "step":
                 continue
             kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
             c = o.engine.contention(kind) if self.hosts.contended(o) else 1.0
-            if o.state == "run":
-                self._cut(o)
-                m = o.run_steps
-                start, end = float(o.run.starts[m - 1]), float(o.run.ends[m - 1])
-            else:
-                start, end = o.step_start, o.step_end
-            if c == o.step_c or end <= self.now:
-                o.step_c = c
-                continue
-            end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
+            start, end = o.in_flight()
+            if c != o.step_c and end > self.now:
+                end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
+                o.version += 1
+                o.move_end(end)
+                self.push(end, self._run_end if o.state == "run" else self._step_end, o, o.version)
             o.step_c = c
-            o.version += 1
-            if o.state == "run":
-                o.run.ends[m - 1] = end
-                self.push(end, self._run_end, o, o.version)
-            else:
-                o.step_end = end
-                self.push(end, self._step_end, o, o.version)
+
+    def _idle(self, w: SimWorker) -> None:
+        w.state = "idle"
+        self._busy(w, False)
 
     def _take_inbox(self, w: SimWorker) -> None:
         e = w.engine
@@ -377,8 +372,7 @@ class Simulator:
             e.add_imported(att.dreq)
             att.imported = True
         if not e.has_work():
-            w.state = "idle"
-            self._busy(w, False)
+            self._idle(w)
             return
         k = e.run_length()
         idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
@@ -392,8 +386,7 @@ class Simulator:
             return
         sched, d = e.schedule(idle_s, contended, w.transfer[0] <= t < w.transfer[1], t)
         if not sched:
-            w.state = "idle"                        # nothing it can schedule until something changes
-            self._busy(w, False)
+            self._idle(w)                           # nothing it can schedule until something changes
             return
         w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
         w.step_c = e.contention("prefill" if sched.prefills else "decode") if contended else 1.0
@@ -469,8 +462,7 @@ class Simulator:
             w.state = "start"
             self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
         else:
-            w.state = "idle"
-            self._busy(w, False)
+            self._idle(w)
 
     # -- KV transfer --------------------------------------------------------------------------------
     def _send_kv(self, w: SimWorker, req, ready: float, last_chunk: int) -> None:

@@ -69,6 +69,20 @@ class SimWorker:
     def alive(self) -> bool:
         return self.handle.alive
 
+    def in_flight(self) -> tuple[float, float]:
+        """(start, end) of its step in flight: the scheduled one, or the last one of its run that goes ahead."""
+        if self.state == "run":
+            m = self.run_steps
+            return float(self.run.starts[m - 1]), float(self.run.ends[m - 1])
+        return self.step_start, self.step_end
+
+    def move_end(self, end: float) -> None:
+        """Its step in flight now ends at `end` (the caller queues the event for it)."""
+        if self.state == "run":
+            self.run.ends[self.run_steps - 1] = end
+        else:
+            self.step_end = end
+
     def steps_ended_by(self, t: float) -> int:
         """Steps of the run in flight that ended by `t`."""
         if self.run is None:
