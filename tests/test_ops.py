@@ -81,17 +81,40 @@ def test_packed_linear_matches_and_unknown_weights_fall_back(tiny, ops):
                                    and "embed" not in n)
 
 
-def test_engines_on_both_kernels_give_the_same_tokens(tiny):
-    prompts = random_prompts(6, tiny.cfg.vocab_size, [1, 33, 70, 5, 129, 16], seed=2)
+# 48 tokens a step: every linear on oneDNN's packed weights; 640: prompt steps on MKL's GEMM into
+# the reused buffers (CpuOps.BUFFERED_ROWS), decode steps on oneDNN, the buffers shrinking and growing
+@pytest.mark.parametrize("budget", [48, 640])
+def test_engines_on_both_kernels_give_the_same_tokens(tiny, budget):
+    prompts = random_prompts(7, tiny.cfg.vocab_size, [1, 33, 70, 5, 129, 16, 400], seed=2)
     outputs = {}
     for kernels in ("torch", "cpu"):
-        engine = Engine(tiny, EngineConfig(token_budget=48, num_kv_blocks=64, kernels=kernels))
+        engine = Engine(tiny, EngineConfig(token_budget=budget, num_kv_blocks=96, kernels=kernels))
         assert engine.memory()["kernels"] == kernels
         reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=20, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         engine.run()
         outputs[kernels] = [r.output_ids for r in reqs]
+        if kernels == "cpu":      # the buffers are reported, and sized by the largest step
+            assert engine.memory()["activation_buffer_bytes"] >= max(s.num_tokens for s in engine.trace) * (
+                tiny.cfg.intermediate_size) * 4
     assert outputs["cpu"] == outputs["torch"]
+
+
+@torch.no_grad()                     # as the engine runs the model
+def test_what_leaves_a_layer_buffer_is_a_tensor_of_its_own(tiny, ops):
+    """Layer outputs share reused buffers; the model's final norm and the LM head must not, or the
+    next step would overwrite hidden states and logits still being read."""
+    x = torch.randn(300, tiny.cfg.hidden_size)
+    layer = tiny.layers[0]
+    first = ops.linear(x, layer.mlp.gate_up_proj)
+    again = ops.linear(x * 2, layer.mlp.gate_up_proj)
+    assert again.data_ptr() == first.data_ptr()                      # the buffer, reused
+    torch.testing.assert_close(again, 2 * (x @ layer.mlp.gate_up_proj.T), atol=1e-4, rtol=1e-5)
+    hidden = [ops.add_norm(x.clone(), torch.randn_like(x), tiny.norm)[0] for _ in range(2)]
+    logits = [ops.linear(h, tiny.lm_head) for h in hidden]
+    assert hidden[0].data_ptr() != hidden[1].data_ptr() and logits[0].data_ptr() != logits[1].data_ptr()
+    inner = [ops.add_norm(x.clone(), torch.randn_like(x), layer.input_layernorm)[0] for _ in range(2)]
+    assert inner[0].data_ptr() == inner[1].data_ptr()                # a layer's norm: the buffer
 
 
 def test_kernel_choice_is_checked():

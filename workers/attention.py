@@ -70,6 +70,7 @@ def store_kv(pool, layer, slot_mapping, k, v) -> None:
 
 class ReferenceAttention:
     name = "reference"
+    workspace_bytes = 0
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
@@ -97,13 +98,20 @@ class CpuPagedAttention:
     def __init__(self):
         from workers import cpu_kernels   # registers torch.ops.pdlab.paged_attention
         self._kernel = cpu_kernels
+        self.workspace = cpu_kernels.Workspace()    # eager: every layer's output in one reused buffer
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
 
     def forward(self, q, pool, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        fn = self._kernel.paged_attention if torch.compiler.is_compiling() else self._kernel.paged_attention_eager
-        return fn(q, pool, layer, meta.block_tables, meta.q_start, meta.ctx_len, scale)
+        args = (q, pool, layer, meta.block_tables, meta.q_start, meta.ctx_len, scale)
+        if torch.compiler.is_compiling():
+            return self._kernel.paged_attention(*args)
+        return self._kernel.paged_attention_eager(*args, out=self.workspace.get("attention", *q.shape))
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.workspace.nbytes
 
 
 class FlexPagedAttention:
@@ -112,6 +120,7 @@ class FlexPagedAttention:
     sequence's block table, and the KV block size is the pool's block size."""
 
     name = "flex"
+    workspace_bytes = 0
     Q_TILE = 16
 
     def __init__(self):

@@ -109,7 +109,8 @@ class Engine:
     def memory(self) -> dict:
         """What this engine holds on its device besides the weights: the KV pool (sized once, at
         start; whether Linux agreed to back it with huge pages), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
-        (oneDNN's layout, CPU kernels only)."""
+        (oneDNN's layout, CPU kernels only) and the layer outputs' reused buffers (CPU kernels only,
+        grown to the largest step so far)."""
         graphs = self.runner.graphs
         return {"kv_pool_bytes": self.cache.nbytes, "kv_pool_huge_pages": self.cache.huge_pages,
                 "num_kv_blocks": self.blocks.num_blocks,
@@ -117,6 +118,7 @@ class Engine:
                 "cuda_graph_bytes": graphs.memory_bytes if graphs else 0,
                 "cuda_graphs": sorted(graphs.graphs) if graphs else [],
                 "packed_weight_bytes": self.runner.ops.packed_bytes,
+                "activation_buffer_bytes": self.runner.ops.workspace_bytes + self.runner.backend.workspace_bytes,
                 "attention": self.runner.backend.name, "kernels": self.runner.ops.name, "compiled": self.cfg.compile}
 
     # -- the step -------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype
   a decode step, the same at 2,048). The packed copies double the memory the weights take;
   `Engine.memory()` reports them. oneDNN also caches one primitive per distinct number of rows a
   step has (at most token_budget of them), so memory rises until a workload's step sizes have all
-  been seen, then stays put.
+  been seen, then stays put. A layer's outputs go into buffers reused from step to step
+  (`cpu_kernels.Workspace`), the large steps' linears included (MKL's GEMM writing in place), so a
+  prefill step does not fault in tens of fresh megabytes per layer.
 """
 from __future__ import annotations
 
@@ -64,32 +66,55 @@ class TorchOps:
     def packed_bytes(self) -> int:
         return 0
 
+    @property
+    def workspace_bytes(self) -> int:
+        return 0
+
 
 class CpuOps(TorchOps):
     name = "cpu"
+    # From this many rows on, a layer's linear runs as MKL's GEMM into a reused buffer (oneDNN's op
+    # can only return a fresh tensor); below it, oneDNN's packed weights win and the outputs are small.
+    BUFFERED_ROWS = 256
 
     def __init__(self, model):
         from workers import cpu_kernels
         self._k = cpu_kernels
+        self.workspace = cpu_kernels.Workspace()
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
         # keyed by the parameter object: the model keeps each alive, so an id is never reused
         self._packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) for w in [*weights, head]}
         self._bytes = sum(p.numel() * p.element_size() for p in self._packed.values())
+        # Every layer's projection of a kind writes one buffer of that kind, and its norms another: a
+        # layer reads each output before the next layer writes it again. The final norm and the LM
+        # head are not in these maps, so what leaves the model is always a tensor of its own.
+        self._out = {id(p): name for layer in model.layers for name, p in
+                     (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                      ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))}
+        self._norm_out = {id(n.weight) for layer in model.layers for n in (layer.input_layernorm,
+                                                                            layer.post_attention_layernorm)}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        name = self._out.get(id(weight))
+        if name is not None and x.shape[0] >= self.BUFFERED_ROWS and not torch.is_grad_enabled():  # (out= has no autograd)
+            return torch.mm(x, weight.t(), out=self.workspace.get(name, x.shape[0], weight.shape[0]))
         packed = self._packed.get(id(weight))
         if packed is None:
             return F.linear(x, weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
+    def _norm_buffer(self, x: torch.Tensor, norm) -> torch.Tensor | None:
+        return self.workspace.get("norm", *x.shape) if id(norm.weight) in self._norm_out else None
+
     def norm(self, x: torch.Tensor, norm) -> torch.Tensor:
-        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps)
+        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps, out=self._norm_buffer(x, norm))
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         # residual is this layer's own stream (the embedding's output, then sums made here), so
         # adding into it in place changes nothing anyone else holds
-        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps, residual=residual), residual
+        return self._k.rms_norm(x.contiguous(), norm.weight, norm.eps, residual=residual,
+                                out=self._norm_buffer(x, norm)), residual
 
     def rope_store_kv(self, qkv, num_heads, num_kv_heads, meta, pool, layer) -> torch.Tensor:
         T = qkv.shape[0]
@@ -98,11 +123,15 @@ class CpuOps(TorchOps):
         return qkv.view(T, num_heads + 2 * num_kv_heads, -1)[:, :num_heads]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._k.silu_mul(gate_up)
+        return self._k.silu_mul(gate_up, out=self.workspace.get("act", gate_up.shape[0], gate_up.shape[1] // 2))
 
     @property
     def packed_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.workspace.nbytes
 
 
 def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile: bool):
