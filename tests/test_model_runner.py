@@ -64,8 +64,8 @@ def test_compiled_model_gives_the_same_tokens(hf_pair):
 
 def test_memory_does_not_grow_with_steps(tiny):
     """Requests keep arriving and finishing; after a warm-up the process's peak memory stays put.
-    The warm-up serves the same prompts once: the CPU kernels' oneDNN linears build (and cache)
-    one primitive per distinct number of rows a step has, a bounded set the warm-up visits."""
+    The warm-up serves the same prompts once: the CPU kernels' reused layer buffers grow to the
+    largest step, and torch's own caches fill, in a bounded set of step sizes the warm-up visits."""
     engine = Engine(tiny, EngineConfig(num_kv_blocks=128, token_budget=128, max_batch=16))
     prompts = random_prompts(96, tiny.cfg.vocab_size, [5, 60, 23, 100, 41], seed=9)
 

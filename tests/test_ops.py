@@ -1,4 +1,4 @@
-"""The fused CPU kernels and oneDNN's packed linear layers (workers/ops.py `cpu`) against torch's
+"""The fused CPU kernels and the packed panel linear (workers/ops.py `cpu`) against torch's
 own ops (`torch`, the reference formulas), one operation at a time and through whole engines."""
 import pytest
 import torch
@@ -74,15 +74,32 @@ def test_rope_store_kv_rotates_and_writes_the_same_slots(ops, heads, kv_heads, h
 def test_packed_linear_matches_and_unknown_weights_fall_back(tiny, ops):
     x = torch.randn(5, tiny.cfg.hidden_size)
     w = tiny.layers[0].self_attn.qkv_proj
-    torch.testing.assert_close(ops.linear(x, w), TorchOps().linear(x, w), atol=1e-5, rtol=1e-5)
-    other = torch.randn(7, tiny.cfg.hidden_size)               # never packed: torch's linear
-    torch.testing.assert_close(ops.linear(x, other), x @ other.T)
+    with torch.no_grad():                                      # as the engine runs the model
+        torch.testing.assert_close(ops.linear(x, w), TorchOps().linear(x, w), atol=1e-5, rtol=1e-5)
+        other = torch.randn(7, tiny.cfg.hidden_size)           # never packed: torch's linear
+        torch.testing.assert_close(ops.linear(x, other), x @ other.T)
     assert ops.packed_bytes >= sum(p.numel() * 4 for n, p in tiny.named_parameters() if p.dim() == 2
                                    and "embed" not in n)
 
 
-# 48 tokens a step: every linear on oneDNN's packed weights; 640: prompt steps on MKL's GEMM into
-# the reused buffers (CpuOps.BUFFERED_ROWS), decode steps on oneDNN, the buffers shrinking and growing
+# rows: one, a partial tile of rows, whole tiles and a tail; columns: a partial last panel, one
+# panel short of a column, exactly whole panels; depths off the 16-lane grid
+@pytest.mark.parametrize("rows,cols,depth", [(1, 7, 3), (5, 63, 40), (6, 128, 256), (17, 65, 33), (255, 1000, 129)])
+def test_panel_linear_matches_torch_at_any_shape(rows, cols, depth):
+    from workers import cpu_kernels
+    gen = torch.Generator().manual_seed(rows * cols)
+    x, w = torch.randn(rows, depth, generator=gen), torch.randn(cols, depth, generator=gen)
+    packed = cpu_kernels.pack_linear(w)
+    torch.testing.assert_close(cpu_kernels.linear_small(x, packed, cols), x @ w.T, atol=1e-4, rtol=1e-5)
+    out = torch.full((rows, cols), float("nan"))
+    assert cpu_kernels.linear_small(x, packed, cols, out=out) is out
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-5)      # every element written
+    with pytest.raises(ValueError, match="x has 2 columns"):
+        cpu_kernels.linear_small(x[:, :2].contiguous(), packed, cols)
+
+
+# 48 tokens a step: every linear on the panel kernel; 640: prompt steps on MKL's GEMM into the
+# reused buffers (CpuOps.BUFFERED_ROWS), decode steps on the panel kernel, into the same buffers
 @pytest.mark.parametrize("budget", [48, 640])
 def test_engines_on_both_kernels_give_the_same_tokens(tiny, budget):
     prompts = random_prompts(7, tiny.cfg.vocab_size, [1, 33, 70, 5, 129, 16, 400], seed=2)

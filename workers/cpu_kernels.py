@@ -80,6 +80,8 @@ def _library() -> ctypes.CDLL:
     _signature(lib.pdlab_paged_attention_f32, ctypes.c_int, p, i64, p, p, p, p, i32, p, p, i32, i32, i32, i32, i32, f32)
     _signature(lib.pdlab_rms_norm_f32, None, p, p, p, p, i64, i64, f32)
     _signature(lib.pdlab_silu_mul_f32, None, p, p, i64, i64)
+    _signature(lib.pdlab_linear_small_f32, None, p, i64, i64, p, i64, p)
+    _signature(lib.pdlab_linear_panel_width, i64)
     _signature(lib.pdlab_rope_store_kv_f32, ctypes.c_int, p, i64, i32, i32, i32, p, p, p, p, p)
     return lib
 
@@ -170,6 +172,26 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     T, F2 = gate_up.shape
     out = gate_up.new_empty(T, F2 // 2) if out is None else out
     _library().pdlab_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), T, F2 // 2)
+    return out
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> the panels `linear_small` reads: [ceil(N / NR), K, NR], columns past N zero."""
+    N, K = weight.shape
+    nr = _library().pdlab_linear_panel_width()
+    padded = torch.zeros(-(-N // nr) * nr, K, dtype=torch.float32)
+    padded[:N] = weight.detach()
+    return padded.view(-1, nr, K).transpose(1, 2).contiguous()
+
+
+def linear_small(x: torch.Tensor, packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32, contiguous) @ W^T for W [n, K] packed by `pack_linear` -> [M, n], into `out`
+    (contiguous) if given. Made for a decode step's few rows; any M is correct."""
+    M, K = x.shape
+    if packed.shape[1] != K:
+        raise ValueError(f"linear_small: x has {K} columns, the packed weight {packed.shape[1]}")
+    out = x.new_empty(M, n) if out is None else out
+    _library().pdlab_linear_small_f32(x.data_ptr(), M, K, packed.data_ptr(), n, out.data_ptr())
     return out
 
 

@@ -109,7 +109,7 @@ class Engine:
     def memory(self) -> dict:
         """What this engine holds on its device besides the weights: the KV pool (sized once, at
         start; whether Linux agreed to back it with huge pages), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
-        (oneDNN's layout, CPU kernels only) and the layer outputs' reused buffers (CPU kernels only,
+        (the panel layout of the CPU kernels) and the layer outputs' reused buffers (CPU kernels only,
         grown to the largest step so far)."""
         graphs = self.runner.graphs
         return {"kv_pool_bytes": self.cache.nbytes, "kv_pool_huge_pages": self.cache.huge_pages,

@@ -5,14 +5,13 @@ the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype
   Its formulas are the reference the others are tested against.
 - `cpu`: float32 on a CPU, eager: the fused kernels of workers/csrc/cpu_ops.c (RMSNorm with the
   residual add, rotary embedding with the KV-cache write, SiLU-and-multiply), each one pass over
-  its data, and the linear layers through oneDNN with weights packed once into its blocked layout
-  (what production CPU engines do; measured here, 1.4-1.9x torch's MKL linear at the 16-64 rows of
-  a decode step, the same at 2,048). The packed copies double the memory the weights take;
-  `Engine.memory()` reports them. oneDNN also caches one primitive per distinct number of rows a
-  step has (at most token_budget of them), so memory rises until a workload's step sizes have all
-  been seen, then stays put. A layer's outputs go into buffers reused from step to step
-  (`cpu_kernels.Workspace`), the large steps' linears included (MKL's GEMM writing in place), so a
-  prefill step does not fault in tens of fresh megabytes per layer.
+  its data. Linear layers of a decode-sized step (under 256 rows) run cpu_ops.c's panel kernel on
+  weights packed once at start: at those rows a linear streams its weights from memory, and the
+  kernel keeps that stream moving (measured here: 0.67x oneDNN's packed linear at 16 rows, 0.87x
+  at 64). Larger steps run MKL's GEMM on the weights as they are. The packed copies double the
+  memory the weights take; `Engine.memory()` reports them. A layer's outputs go into buffers
+  reused from step to step (`cpu_kernels.Workspace`), so a prefill step does not fault in tens of
+  fresh megabytes per layer; they grow to the largest step seen, then stay put.
 """
 from __future__ import annotations
 
@@ -73,8 +72,8 @@ class TorchOps:
 
 class CpuOps(TorchOps):
     name = "cpu"
-    # From this many rows on, a layer's linear runs as MKL's GEMM into a reused buffer (oneDNN's op
-    # can only return a fresh tensor); below it, oneDNN's packed weights win and the outputs are small.
+    # From this many rows on, a linear runs as MKL's GEMM (compute-bound: MKL's blocking wins);
+    # below it, as cpu_ops.c's panel kernel, which streams its packed weights at memory speed.
     BUFFERED_ROWS = 256
 
     def __init__(self, model):
@@ -84,7 +83,7 @@ class CpuOps(TorchOps):
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name]
         # keyed by the parameter object: the model keeps each alive, so an id is never reused
-        self._packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) for w in [*weights, head]}
+        self._packed = {id(w): cpu_kernels.pack_linear(w) for w in [*weights, head]}
         self._bytes = sum(p.numel() * p.element_size() for p in self._packed.values())
         # Every layer's projection of a kind writes one buffer of that kind, and its norms another: a
         # layer reads each output before the next layer writes it again. The final norm and the LM
@@ -96,13 +95,14 @@ class CpuOps(TorchOps):
                                                                             layer.post_attention_layernorm)}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        name = self._out.get(id(weight))
-        if name is not None and x.shape[0] >= self.BUFFERED_ROWS and not torch.is_grad_enabled():  # (out= has no autograd)
-            return torch.mm(x, weight.t(), out=self.workspace.get(name, x.shape[0], weight.shape[0]))
         packed = self._packed.get(id(weight))
-        if packed is None:
+        if packed is None or torch.is_grad_enabled():       # (out= and ctypes have no autograd)
             return F.linear(x, weight)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        rows, name = x.shape[0], self._out.get(id(weight))
+        out = None if name is None else self.workspace.get(name, rows, weight.shape[0])
+        if rows >= self.BUFFERED_ROWS:
+            return torch.mm(x, weight.t(), out=out)
+        return self._k.linear_small(x.contiguous(), packed, weight.shape[0], out=out)
 
     def _norm_buffer(self, x: torch.Tensor, norm) -> torch.Tensor | None:
         return self.workspace.get("norm", *x.shape) if id(norm.weight) in self._norm_out else None
@@ -135,8 +135,7 @@ class CpuOps(TorchOps):
 
 
 def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile: bool):
-    """`auto`: `cpu` for an eager float32 model on a CPU whose kernels build and whose torch has
-    oneDNN; `torch` otherwise (a GPU, another dtype, or a compiled model, which inductor fuses)."""
+    """`auto`: `cpu` for an eager float32 model on a CPU whose kernels build; `torch` otherwise (a GPU, another dtype, or a compiled model, which inductor fuses)."""
     if name not in KERNELS:
         raise ValueError(f"kernels={name!r}: choose one of {list(KERNELS)}")
     fits = device.type == "cpu" and dtype == torch.float32 and not compile
@@ -146,9 +145,9 @@ def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile
     if name == "torch" or not fits:
         return TorchOps()
     from workers import cpu_kernels
-    if not torch.backends.mkldnn.is_available() or not cpu_kernels.available():
+    if not cpu_kernels.available():
         if name == "cpu":
-            raise ValueError("kernels=cpu: the CPU kernels could not be built or torch lacks oneDNN (see the warning)")
-        log.warning("torch without oneDNN or no CPU kernels: the model runs on torch's own ops")
+            raise ValueError("kernels=cpu: the CPU kernels could not be built (see the warning)")
+        log.warning("no CPU kernels: the model runs on torch's own ops")
         return TorchOps()
     return CpuOps(model)

@@ -81,3 +81,67 @@ int pdlab_rope_store_kv_f32(float *qkv, int64_t T, int H, int KVH, int D, const 
     }
     return 0;
 }
+
+/* A linear layer for the few rows of a decode step: out[M, N] = x[M, K] @ W^T, W [N, K], from W packed
+ * (workers/cpu_kernels.py pack_linear's layout) into panels of NR output columns, each panel [K][NR] contiguous. A
+ * panel streams through once per MR rows of x: each k loads NR weights (NR / L vectors) and
+ * multiplies them into MR x NR accumulators held in registers with x[m, k] broadcast, so the
+ * weights, the bulk of the bytes at these row counts, are read in order at the memory's pace. The
+ * sums over k run in order k = 0..K-1 per output, in float32. Panels run in parallel (OpenMP).
+ * Measured here against oneDNN's packed linear at the 29m shape's layers: 0.67x its time at 16
+ * rows, 0.87x at 64, 0.97x at 255. */
+#define NR 64            /* output columns per panel: 4 vectors */
+#define MR 6             /* rows of x per pass over a panel: 24 accumulators in registers */
+#define PF 16            /* panel rows prefetched ahead */
+
+/* Rows [0, mr) of x (row stride ldx) times one panel, into out's first nc columns (row stride ldo).
+ * The panel's rows are prefetched PF ahead: the hardware prefetcher alone left the stream waiting
+ * on memory while the multiply-adds ran (measured: 1.3x slower at 16 rows). */
+static inline __attribute__((always_inline)) void linear_tile(int mr, const float *x, int64_t ldx, int64_t K,
+                                                             const float *panel, float *out, int64_t ldo,
+                                                             int nc) {
+    vf acc[MR][NR / L];
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < NR / L; c++) acc[i][c] = splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+        vf w[NR / L];
+        for (int c = 0; c < NR / L; c++) __builtin_prefetch(panel + (k + PF) * NR + c * L);
+        for (int c = 0; c < NR / L; c++) w[c] = load(panel + k * NR + c * L);
+        for (int i = 0; i < mr; i++) {
+            const float xv = x[i * ldx + k];
+            for (int c = 0; c < NR / L; c++) acc[i][c] += xv * w[c];
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (nc == NR) {
+            for (int c = 0; c < NR / L; c++) store(out + i * ldo + c * L, acc[i][c]);
+        } else {                               /* the last panel: only its real columns */
+            float tmp[NR];
+            for (int c = 0; c < NR / L; c++) store(tmp + c * L, acc[i][c]);
+            memcpy(out + i * ldo, tmp, sizeof(float) * nc);
+        }
+    }
+}
+
+int64_t pdlab_linear_panel_width(void) { return NR; }
+
+void pdlab_linear_small_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, float *out) {
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (panels > 1 && M * N * K >= 1 << 18)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * K * NR;
+        const int nc = N - p * NR < NR ? (int)(N - p * NR) : NR;
+        for (int64_t m = 0; m < M; m += MR) {
+            const float *xm = x + m * K;
+            float *om = out + m * N + p * NR;
+            switch (M - m < MR ? (int)(M - m) : MR) {     /* MR == 6 */
+                case 1: linear_tile(1, xm, K, K, panel, om, N, nc); break;
+                case 2: linear_tile(2, xm, K, K, panel, om, N, nc); break;
+                case 3: linear_tile(3, xm, K, K, panel, om, N, nc); break;
+                case 4: linear_tile(4, xm, K, K, panel, om, N, nc); break;
+                case 5: linear_tile(5, xm, K, K, panel, om, N, nc); break;
+                default: linear_tile(MR, xm, K, K, panel, om, N, nc);
+            }
+        }
+    }
+}
