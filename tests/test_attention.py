@@ -65,6 +65,22 @@ def test_decode_only_step_uses_the_static_flex_layout_and_matches():
         torch.testing.assert_close(out[name], out["reference"], atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (32, 8, 128, 16), (6, 3, 40, 5)])
+@pytest.mark.parametrize("num_decodes", [1, 6])
+def test_cpu_decode_per_sequence_and_per_kv_head_match(heads, kv_heads, head_dim, block_size, num_decodes):
+    """On one thread, one decode is split into an item per KV head and six run one item each over all
+    their heads (paged_attention.c): both walk the pool differently and must give the same rows."""
+    lens = [(1, c) for c in (1, 15, 16, 17, 64, 129)][-num_decodes:]
+    meta = step_meta(lens, block_size, num_blocks=160, num_decodes=num_decodes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = run_all(meta, heads, kv_heads, head_dim, block_size, 160)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out["cpu"], out["reference"], atol=2e-5, rtol=1e-4)
+
+
 def test_cpu_kernel_reads_strided_queries():
     """The model hands q as a view into the fused q/k projection: rows are strided."""
     meta = step_meta([(1, 50), (12, 40)], 16, num_blocks=32, num_decodes=1)

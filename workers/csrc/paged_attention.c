@@ -19,6 +19,7 @@
  *   k, v  [num_blocks, BS, KVH, D], contiguous         block_tables [S, *], row stride table_stride
  */
 #include "simd.h"
+#include <omp.h>
 
 #define ROWS 64          /* query rows (queries x heads of a group) per work item, at most */
 #define PROWS 128        /* the same for the prefill tile of a head size it is specialised for */
@@ -217,66 +218,71 @@ DEFINE_PREFILL(prefill_d32, 32)
 DEFINE_PREFILL(prefill_d64, 64)
 DEFINE_PREFILL(prefill_d128, 128)
 
-/* One query row per head (a decode, or a prompt chunk's single token): all G heads of KV head kvh
- * over the whole context, in passes rather than online. First every score (16 keys at a time, as
- * dot products reduced by sum16) into `scores` [G, ctx]; then each head's max, its exponentials
- * and their sum over the whole row at once; then the values, weighted. The online softmax of a
- * tile would rescale the accumulators and take an exponential of the running max for every 16
- * keys, which at one row per head costs as much as the dot products themselves. */
+/* One query row per head (a decode, or a prompt chunk's single token): the heads of KV heads
+ * [h0, h1) over the whole context, in passes rather than online. First every score into `scores`
+ * [heads, ctx]; then each head's max, its exponentials and their sum over the whole row at once;
+ * then the values, weighted. The online softmax of a tile would rescale the accumulators and take
+ * an exponential of the running max for every 16 keys, which at one row per head costs as much as
+ * the dot products themselves. Both passes walk the context a chunk of keys at a time (up to L,
+ * within one block) with every KV head of the range inside the chunk: a chunk's rows are
+ * contiguous in the pool, so the pass reads memory in order, and the next chunk (scattered in the
+ * pool, where no hardware prefetcher sees it coming) is prefetched while this one is used. */
+static inline void prefetch_rows(const float *p, int64_t n_floats) {
+    for (int64_t i = 0; i < n_floats; i += L) __builtin_prefetch(p + i);
+}
+
 #define DEFINE_DECODE(NAME, DIM)                                                                      \
-static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, int kvh, float *scores) { \
+static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, int h0, int h1,        \
+                 float *scratch) {                                                                    \
     const int D = DIM ? DIM : D_;                                                                     \
-    const int G = a->H / a->KVH, BS = a->BS;                                                          \
+    const int G = a->H / a->KVH, BS = a->BS, R = (h1 - h0) * G;                                       \
     const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
     const int stride = (ctx + L - 1) / L * L;              /* a row of scores, padded to vectors */  \
-    float qs[ROWS * MAX_D];                                                                           \
-    for (int g = 0; g < G; g++) {                                                                     \
-        const float *src = a->q + (int64_t)qi * a->q_stride + (int64_t)(kvh * G + g) * D;              \
-        for (int d = 0; d < D; d++) qs[g * D + d] = src[d] * a->scale;                                \
+    float *qs = scratch, *acc = qs + R * D, *scores = acc + R * D;                                    \
+    for (int r = 0; r < R; r++) {                          /* row r: head h0 * G + r */              \
+        const float *src = a->q + (int64_t)qi * a->q_stride + (int64_t)(h0 * G + r) * D;              \
+        for (int d = 0; d < D; d++) { qs[r * D + d] = src[d] * a->scale; acc[r * D + d] = 0.0f; }     \
     }                                                                                                 \
-    for (int key0 = 0; key0 < ctx; ) {                     /* scores, a block's keys at a time */    \
+    /* the keys [key0, key0 + nk) of one chunk start at rows + (key - key0) * tok + kvh * D */        \
+    _Pragma("GCC unroll 1")                                                                           \
+    for (int key0 = 0; key0 < ctx; ) {                     /* scores */                              \
         const int b = key0 / BS, off = key0 % BS;                                                     \
         int nk = BS - off < L ? BS - off : L;                                                         \
         if (nk > ctx - key0) nk = ctx - key0;                                                         \
-        const float *kb = a->k + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;              \
-        if (key0 + nk < ctx) {                             /* the next block: scattered in the pool, \
-                                                              so no hardware prefetcher sees it coming */ \
-            const float *kn = a->k + (int64_t)table[(key0 + nk) / BS] * blk + (int64_t)kvh * D;       \
-            const float *vn = a->v + (int64_t)table[(key0 + nk) / BS] * blk + (int64_t)kvh * D;       \
-            for (int j = 0; j < BS; j++)                                                              \
-                for (int d = 0; d < D; d += 16) {                                                     \
-                    __builtin_prefetch(kn + j * tok + d);                                             \
-                    __builtin_prefetch(vn + j * tok + d);                                             \
-                }                                                                                     \
+        const float *kb = a->k + (int64_t)table[b] * blk + off * tok;                                 \
+        if (key0 + nk < ctx) {                                                                        \
+            const int nb = (key0 + nk) / BS, noff = (key0 + nk) % BS;                                 \
+            const int nn = BS - noff < L ? BS - noff : L;                                             \
+            prefetch_rows(a->k + (int64_t)table[nb] * blk + noff * tok, (int64_t)nn * tok);           \
         }                                                                                             \
-        for (int g = 0; g < G; g++) {                                                                 \
+        for (int r = 0; r < R; r++) {                                                                 \
+            const float *kh = kb + (int64_t)(h0 + r / G) * D;                                         \
             vf c[L];                                                                                  \
             if (DIM) {                                                                                \
                 enum { V = (DIM ? DIM : L) / L };                                                     \
                 vf qv[V];                                                                             \
-                for (int cc = 0; cc < V; cc++) qv[cc] = load(qs + g * D + cc * L);                    \
+                for (int cc = 0; cc < V; cc++) qv[cc] = load(qs + r * D + cc * L);                    \
                 for (int j = 0; j < nk; j++) {                                                        \
-                    vf c0 = qv[0] * load(kb + j * tok);                                               \
-                    for (int cc = 1; cc < V; cc++) c0 += qv[cc] * load(kb + j * tok + cc * L);        \
+                    vf c0 = qv[0] * load(kh + j * tok);                                               \
+                    for (int cc = 1; cc < V; cc++) c0 += qv[cc] * load(kh + j * tok + cc * L);        \
                     c[j] = c0;                                                                        \
                 }                                                                                     \
                 for (int j = nk; j < L; j++) c[j] = splat(0.0f);                                      \
                 const vf sc = sum16(c);                                                               \
-                memcpy(scores + g * stride + key0, &sc, sizeof(float) * nk);                          \
+                memcpy(scores + r * stride + key0, &sc, sizeof(float) * nk);                          \
             } else {                                                                                  \
                 for (int j = 0; j < nk; j++) {                                                        \
                     float d0 = 0.0f;                                                                  \
-                    for (int d = 0; d < D; d++) d0 += qs[g * D + d] * kb[j * tok + d];                \
-                    scores[g * stride + key0 + j] = d0;                                               \
+                    for (int d = 0; d < D; d++) d0 += qs[r * D + d] * kh[j * tok + d];                \
+                    scores[r * stride + key0 + j] = d0;                                               \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
         key0 += nk;                                                                                   \
     }                                                                                                 \
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                           \
-    float inv[ROWS];                                                                                  \
-    for (int g = 0; g < G; g++) {                          /* softmax of each head's row */          \
-        float *row = scores + g * stride;                                                             \
+    for (int r = 0; r < R; r++) {                          /* softmax of each head's row */          \
+        float *row = scores + r * stride;                                                             \
         for (int j = ctx; j < stride; j++) row[j] = -INFINITY;                                        \
         vf mv = load(row);                                                                            \
         for (int j = L; j < stride; j += L) mv = vmax(mv, load(row + j));                             \
@@ -287,40 +293,45 @@ static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, i
             store(row + j, sel(lane + j < ctx, p, splat(0.0f)));                                      \
             sum += p;                                                                                 \
         }                                                                                             \
-        inv[g] = 1.0f / hsum(sum);                                                                    \
+        qs[r] = 1.0f / hsum(sum);                          /* (the queries are done with) */         \
     }                                                                                                 \
-    for (int g = 0; g < G; g++) {                          /* the weighted values */                 \
-        float *dst = a->out + ((int64_t)qi * a->H + kvh * G + g) * D;                                 \
-        const float *p = scores + g * stride;                                                         \
-        if (DIM) {                                                                                    \
-            enum { V = (DIM ? DIM : L) / L };                                                         \
-            vf o0[V], o1[V];                               /* even and odd keys: two chains */       \
-            for (int c = 0; c < V; c++) o0[c] = o1[c] = splat(0.0f);                                  \
-            for (int key0 = 0; key0 < ctx; ) {                                                        \
-                const int b = key0 / BS, off = key0 % BS;                                             \
-                const int nk = BS - off < ctx - key0 ? BS - off : ctx - key0;                         \
-                const float *vb = a->v + (int64_t)table[b] * blk + off * tok + (int64_t)kvh * D;      \
-                int j = 0;                                                                            \
-                for (; j + 2 <= nk; j += 2) {                                                         \
-                    const float p0 = p[key0 + j], p1 = p[key0 + j + 1];                               \
-                    for (int c = 0; c < V; c++) {                                                     \
-                        o0[c] += p0 * load(vb + j * tok + c * L);                                     \
-                        o1[c] += p1 * load(vb + (j + 1) * tok + c * L);                               \
-                    }                                                                                 \
-                }                                                                                     \
-                for (; j < nk; j++)                                                                   \
-                    for (int c = 0; c < V; c++) o0[c] += p[key0 + j] * load(vb + j * tok + c * L);    \
-                key0 += nk;                                                                           \
-            }                                                                                         \
-            for (int c = 0; c < V; c++) store(dst + c * L, (o0[c] + o1[c]) * inv[g]);                 \
-        } else {                                                                                      \
-            float o[MAX_D] = {0};                                                                     \
-            for (int key = 0; key < ctx; key++) {                                                     \
-                const float *vj = a->v + (int64_t)table[key / BS] * blk + (key % BS) * tok + (int64_t)kvh * D; \
-                for (int d = 0; d < D; d++) o[d] += p[key] * vj[d];                                   \
-            }                                                                                         \
-            for (int d = 0; d < D; d++) dst[d] = o[d] * inv[g];                                       \
+    _Pragma("GCC unroll 1")                                                                           \
+    for (int key0 = 0; key0 < ctx; ) {                     /* the weighted values */                 \
+        const int b = key0 / BS, off = key0 % BS;                                                     \
+        int nk = BS - off < L ? BS - off : L;                                                         \
+        if (nk > ctx - key0) nk = ctx - key0;                                                         \
+        const float *vb = a->v + (int64_t)table[b] * blk + off * tok;                                 \
+        if (key0 + nk < ctx) {                                                                        \
+            const int nb = (key0 + nk) / BS, noff = (key0 + nk) % BS;                                 \
+            const int nn = BS - noff < L ? BS - noff : L;                                             \
+            prefetch_rows(a->v + (int64_t)table[nb] * blk + noff * tok, (int64_t)nn * tok);           \
         }                                                                                             \
+        for (int r = 0; r < R; r++) {                                                                 \
+            const float *vh = vb + (int64_t)(h0 + r / G) * D, *p = scores + r * stride + key0;        \
+            float *o = acc + r * D;                                                                   \
+            if (DIM) {                                                                                \
+                enum { V = (DIM ? DIM : L) / L };                                                     \
+                vf o0[V], o1[V];                           /* even and odd keys: two chains */       \
+                for (int c = 0; c < V; c++) { o0[c] = load(o + c * L); o1[c] = splat(0.0f); }         \
+                int j = 0;                                                                            \
+                for (; j + 2 <= nk; j += 2)                                                           \
+                    for (int c = 0; c < V; c++) {                                                     \
+                        o0[c] += p[j] * load(vh + j * tok + c * L);                                   \
+                        o1[c] += p[j + 1] * load(vh + (j + 1) * tok + c * L);                         \
+                    }                                                                                 \
+                for (; j < nk; j++)                                                                   \
+                    for (int c = 0; c < V; c++) o0[c] += p[j] * load(vh + j * tok + c * L);           \
+                for (int c = 0; c < V; c++) store(o + c * L, o0[c] + o1[c]);                          \
+            } else {                                                                                  \
+                for (int j = 0; j < nk; j++)                                                          \
+                    for (int d = 0; d < D; d++) o[d] += p[j] * vh[j * tok + d];                       \
+            }                                                                                         \
+        }                                                                                             \
+        key0 += nk;                                                                                   \
+    }                                                                                                 \
+    for (int r = 0; r < R; r++) {                                                                     \
+        float *dst = a->out + ((int64_t)qi * a->H + h0 * G + r) * D;                                  \
+        for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * qs[r];                                  \
     }                                                                                                 \
 }
 
@@ -338,21 +349,31 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
     const Args a = {q, k, v, out, q_stride, H, KVH, BS, scale};
     const int G = H / KVH, special = D == 32 || D == 64 || D == 128;
     const int tile_q = (special ? PROWS : ROWS) / G;
-    const size_t cap = (size_t)q_start[num_seqs] / tile_q + num_seqs + 1;
-    int *item_seq = malloc(sizeof(int) * 2 * cap);
-    if (!item_seq) return -2;
-    int *item_first = item_seq + cap, num_items = 0;
+    int num_decode = 0, max_single = 0;        /* one-row sequences, and the longest context one reads */
     for (int s = 0; s < num_seqs; s++)
-        for (int first = 0; first < q_start[s + 1] - q_start[s]; first += tile_q) {
-            item_seq[num_items] = s;
-            item_first[num_items++] = first;
+        if (q_start[s + 1] - q_start[s] == 1) {
+            num_decode++;
+            if (ctx_len[s] > max_single) max_single = ctx_len[s];
         }
-    const int64_t total = (int64_t)num_items * KVH;
-    int max_single = 0;                        /* the longest context read by a one-row item */
-    for (int s = 0; s < num_seqs; s++)
-        if (q_start[s + 1] - q_start[s] == 1 && ctx_len[s] > max_single) max_single = ctx_len[s];
+    /* A one-row sequence is one work item over all its KV heads (its chunks read in order), unless
+     * there are too few of them to keep the threads busy: then one item per KV head. */
+    const int split = num_decode < 2 * omp_get_max_threads();
+    const size_t cap = ((size_t)q_start[num_seqs] / tile_q + num_seqs + 1) * KVH;
+    int *item_seq = malloc(sizeof(int) * 3 * cap);
+    if (!item_seq) return -2;
+    int *item_first = item_seq + cap, *item_kvh = item_first + cap, num_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int n = q_start[s + 1] - q_start[s];
+        for (int first = 0; first < n; first += tile_q)
+            for (int kvh = 0; kvh < KVH; kvh++) {
+                if (n == 1 && !split && kvh) break;
+                item_seq[num_items] = s;
+                item_first[num_items] = first;
+                item_kvh[num_items++] = n == 1 && !split ? -1 : kvh;     /* -1: every KV head */
+            }
+    }
     const size_t tile_floats = 2 * PROWS * MAX_D + MAX_D * KC;
-    const size_t score_floats = (size_t)G * ((max_single + L - 1) / L * L);
+    const size_t score_floats = (size_t)H * (2 * D + (max_single + L - 1) / L * L);
     int failed = 0;
 #pragma omp parallel
     {
@@ -362,19 +383,20 @@ int pdlab_paged_attention_f32(const float *q, int64_t q_stride, const float *k, 
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < total; w++) {
+        for (int w = 0; w < num_items; w++) {
             if (!scratch) continue;
-            const int item = (int)(w / KVH), kvh = (int)(w % KVH), s = item_seq[item];
-            const int num_q_seq = q_start[s + 1] - q_start[s], first = item_first[item];
+            const int s = item_seq[w], kvh = item_kvh[w];
+            const int num_q_seq = q_start[s + 1] - q_start[s], first = item_first[w];
             const int n = num_q_seq - first < tile_q ? num_q_seq - first : tile_q;
             const int32_t *table = block_tables + (int64_t)s * table_stride;
             const int qi = q_start[s] + first, q_pos0 = ctx_len[s] - num_q_seq + first;
             if (num_q_seq == 1) {
+                const int h0 = kvh < 0 ? 0 : kvh, h1 = kvh < 0 ? KVH : kvh + 1;
                 switch (D) {
-                    case 32: decode_d32(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
-                    case 64: decode_d64(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
-                    case 128: decode_d128(&a, D, table, qi, ctx_len[s], kvh, scratch); break;
-                    default: decode_any(&a, D, table, qi, ctx_len[s], kvh, scratch);
+                    case 32: decode_d32(&a, D, table, qi, ctx_len[s], h0, h1, scratch); break;
+                    case 64: decode_d64(&a, D, table, qi, ctx_len[s], h0, h1, scratch); break;
+                    case 128: decode_d128(&a, D, table, qi, ctx_len[s], h0, h1, scratch); break;
+                    default: decode_any(&a, D, table, qi, ctx_len[s], h0, h1, scratch);
                 }
                 continue;
             }
