@@ -231,30 +231,39 @@ static inline void prefetch_rows(const float *p, int64_t n_floats) {
     for (int64_t i = 0; i < n_floats; i += L) __builtin_prefetch(p + i);
 }
 
+/* The chunk of keys from key0 (up to L of them, within one block) in one of a layer's pools: its
+ * length, and in *rows where its first key's row starts (each row holds every KV head; rows tok
+ * floats apart). The next chunk's rows are prefetched. */
+static inline int chunk_at(const float *pool, const int32_t *table, int key0, int ctx, int BS, int64_t tok,
+                           const float **rows) {
+    const int64_t blk = (int64_t)BS * tok;
+    const int off = key0 % BS;
+    int nk = BS - off < L ? BS - off : L;
+    if (nk > ctx - key0) nk = ctx - key0;
+    *rows = pool + (int64_t)table[key0 / BS] * blk + off * tok;
+    if (key0 + nk < ctx) {
+        const int next = key0 + nk, noff = next % BS;
+        prefetch_rows(pool + (int64_t)table[next / BS] * blk + noff * tok, (int64_t)(BS - noff < L ? BS - noff : L) * tok);
+    }
+    return nk;
+}
+
 #define DEFINE_DECODE(NAME, DIM)                                                                      \
 static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, int h0, int h1,        \
                  float *scratch) {                                                                    \
     const int D = DIM ? DIM : D_;                                                                     \
     const int G = a->H / a->KVH, BS = a->BS, R = (h1 - h0) * G;                                       \
-    const int64_t tok = (int64_t)a->KVH * D, blk = (int64_t)BS * a->KVH * D;                          \
+    const int64_t tok = (int64_t)a->KVH * D;                                                          \
     const int stride = (ctx + L - 1) / L * L;              /* a row of scores, padded to vectors */  \
     float *qs = scratch, *acc = qs + R * D, *scores = acc + R * D;                                    \
     for (int r = 0; r < R; r++) {                          /* row r: head h0 * G + r */              \
         const float *src = a->q + (int64_t)qi * a->q_stride + (int64_t)(h0 * G + r) * D;              \
         for (int d = 0; d < D; d++) { qs[r * D + d] = src[d] * a->scale; acc[r * D + d] = 0.0f; }     \
     }                                                                                                 \
-    /* the keys [key0, key0 + nk) of one chunk start at rows + (key - key0) * tok + kvh * D */        \
     _Pragma("GCC unroll 1")                                                                           \
     for (int key0 = 0; key0 < ctx; ) {                     /* scores */                              \
-        const int b = key0 / BS, off = key0 % BS;                                                     \
-        int nk = BS - off < L ? BS - off : L;                                                         \
-        if (nk > ctx - key0) nk = ctx - key0;                                                         \
-        const float *kb = a->k + (int64_t)table[b] * blk + off * tok;                                 \
-        if (key0 + nk < ctx) {                                                                        \
-            const int nb = (key0 + nk) / BS, noff = (key0 + nk) % BS;                                 \
-            const int nn = BS - noff < L ? BS - noff : L;                                             \
-            prefetch_rows(a->k + (int64_t)table[nb] * blk + noff * tok, (int64_t)nn * tok);           \
-        }                                                                                             \
+        const float *kb;                                                                              \
+        const int nk = chunk_at(a->k, table, key0, ctx, BS, tok, &kb);                                \
         for (int r = 0; r < R; r++) {                                                                 \
             const float *kh = kb + (int64_t)(h0 + r / G) * D;                                         \
             vf c[L];                                                                                  \
@@ -297,15 +306,8 @@ static void NAME(const Args *a, int D_, const int32_t *table, int qi, int ctx, i
     }                                                                                                 \
     _Pragma("GCC unroll 1")                                                                           \
     for (int key0 = 0; key0 < ctx; ) {                     /* the weighted values */                 \
-        const int b = key0 / BS, off = key0 % BS;                                                     \
-        int nk = BS - off < L ? BS - off : L;                                                         \
-        if (nk > ctx - key0) nk = ctx - key0;                                                         \
-        const float *vb = a->v + (int64_t)table[b] * blk + off * tok;                                 \
-        if (key0 + nk < ctx) {                                                                        \
-            const int nb = (key0 + nk) / BS, noff = (key0 + nk) % BS;                                 \
-            const int nn = BS - noff < L ? BS - noff : L;                                             \
-            prefetch_rows(a->v + (int64_t)table[nb] * blk + noff * tok, (int64_t)nn * tok);           \
-        }                                                                                             \
+        const float *vb;                                                                              \
+        const int nk = chunk_at(a->v, table, key0, ctx, BS, tok, &vb);                                \
         for (int r = 0; r < R; r++) {                                                                 \
             const float *vh = vb + (int64_t)(h0 + r / G) * D, *p = scores + r * stride + key0;        \
             float *o = acc + r * D;                                                                   \
