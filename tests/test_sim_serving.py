@@ -75,6 +75,22 @@ def test_a_step_after_idle_takes_the_factor_of_how_long_its_worker_idled():
     assert ms(b.token_times()) == pytest.approx([106.0])
 
 
+@pytest.mark.parametrize("b_arrives_ms, b_first_ms", [(1.0, 6.0), (0.0, 5.0)])
+def test_a_step_after_one_that_left_the_scheduler_empty_starts_from_idle(b_arrives_ms, b_first_ms):
+    """As calibrate reads real steps: a prompt that reached the worker during the step before, which
+    left nothing running or waiting, starts from idle (here the curve's low end, 1.5x), however soon
+    it follows; one that waited in the scheduler beside the step before does not."""
+    curve = {"idle_s": [1e-3, 0.1], "ratio": [1.5, 2.0]}
+    c = with_model(costs(), after_idle={"decode": 1.0, "prefill": curve})
+    cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="chunked", token_budget=100),
+                                            "decode": EngineConfig(policy="chunked", token_budget=64)},
+                    {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 1), Arrival("b", b_arrives_ms * MS, 100, 1)])
+    # A's prompt from idle since the start: [0, 1.5 x 2.0]; then B's: 2.0 ms, or 1.5 x 2.0 from idle
+    assert ms(a.token_times()) == pytest.approx([3.0])
+    assert ms(b.token_times()) == pytest.approx([b_first_ms])
+
+
 def test_a_kv_send_whose_sender_steps_on_at_once_takes_the_busy_factor():
     # A's prompt [0, 2.0]; B reached the prefill worker at 1 ms, so it prefills B straight after and A's
     # KV (100 x 1000 bytes over 0.5 ms + 1 GB/s: 0.6 ms) takes 2x; B's, with nothing behind it, 0.6 ms

@@ -362,8 +362,12 @@ class Simulator:
         if version != w.version or not w.alive:
             return
         t = self.now
-        self._take_inbox(w)
         e = w.engine
+        # As calibrate reads a real worker's steps: a step that left nothing running or waiting in
+        # the scheduler starts the next one from idle, however soon that one comes (requests that
+        # arrived meanwhile sat in the worker's inbox, not in its scheduler).
+        w.after_idle = w.after_idle or not e.has_work()
+        self._take_inbox(w)
         while w.arrivals and e.can_import(w.arrivals[0].prompt_len):
             att = w.arrivals.popleft()
             if not att.live:
