@@ -63,6 +63,19 @@ def test_a_step_runs_slower_for_the_time_another_worker_of_its_host_has_work(fas
     assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
 
 
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_contention_follows_what_the_other_worker_of_the_host_does(fast_forward):
+    # As above, but a decode step goes 2x slower only beside the other worker's decode steps, not
+    # beside its prefill: B's prompt [3.5, 5.5] leaves A's steps alone; B's decode [5.5, 7.7] does not
+    c = with_model(costs(), contention={"decode": {"decode": 2.0, "prefill": 1.0}, "prefill": 1.0})
+    sim = Simulator(colocated(policy="prefill_first", budget=4096, workers=2, fast_forward=fast_forward), c)
+    a, b = sim.run([Arrival("a", 0.0, 100, 6), Arrival("b", 3.5 * MS, 100, 2)])
+    # A: [3.1, 4.2] and [4.2, 5.3] beside B's prefill; [5.3, 7.3]: 0.2 ms, then its other 0.9 ms of work
+    # at half speed; [7.3, 8.6]: 0.4 ms beside B's decode (0.2 ms of work), the other 0.9 ms alone
+    assert ms(a.token_times()) == pytest.approx([2.0, 3.1, 4.2, 5.3, 7.3, 8.6])
+    assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
+
+
 def test_a_step_after_idle_takes_the_factor_of_how_long_its_worker_idled():
     # after 0.1 s idle a decode step takes 2x, after 1 ms 1x (the curve is linear in log idle time)
     curve = {"idle_s": [1e-3, 0.1], "ratio": [1.0, 2.0]}
@@ -91,16 +104,21 @@ def test_a_step_after_one_that_left_the_scheduler_empty_starts_from_idle(b_arriv
     assert ms(b.token_times()) == pytest.approx([b_first_ms])
 
 
-def test_a_kv_send_whose_sender_steps_on_at_once_takes_the_busy_factor():
-    # A's prompt [0, 2.0]; B reached the prefill worker at 1 ms, so it prefills B straight after and A's
-    # KV (100 x 1000 bytes over 0.5 ms + 1 GB/s: 0.6 ms) takes 2x; B's, with nothing behind it, 0.6 ms
+@pytest.mark.parametrize("b_arrives_ms, a_transfer_ms", [(1.0, 1.2), (2.3, 0.9), (3.0, 0.6)])
+def test_a_kv_send_goes_the_busy_factor_slower_while_its_sender_steps(b_arrives_ms, a_transfer_ms):
+    # A's prompt [0, 2.0], then its KV (100 x 1000 bytes over 0.5 ms + 1 GB/s: 0.6 ms) from 2.0. B
+    # reached the prefill worker at 1 ms: it prefills B from 2.0 and A's KV takes 2x, 1.2 ms; at 2.3
+    # ms: its last 0.3 ms take 0.6, 0.9 ms in all; at 3 ms: A's KV was in at 2.6. B's, with nothing
+    # behind it, 0.6 ms
     cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
                                             "decode": EngineConfig(policy="chunked", token_budget=64)},
                     {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
     c = dataclasses.replace(costs(), handoff_busy=2.0)
-    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 2), Arrival("b", 1.0 * MS, 100, 2)])
-    assert request_row(a)["transfer_s"] == pytest.approx(1.2 * MS)
+    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 2), Arrival("b", b_arrives_ms * MS, 100, 2)])
+    assert request_row(a)["transfer_s"] == pytest.approx(a_transfer_ms * MS)
     assert request_row(b)["transfer_s"] == pytest.approx(0.6 * MS)
+    # A's second token: the decode step (1.1 ms) after its KV is in
+    assert ms(a.token_times()) == pytest.approx([2.0, 2.0 + a_transfer_ms + 1.1])
 
 
 def test_drift_keeps_each_draw_s_distribution_and_correlates_draws_close_in_time():
@@ -138,12 +156,13 @@ def test_drift_fit_recovers_the_weight_and_time_constant_of_a_drifting_series():
 
 def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_path):
     """A run simulated with known costs (a step from idle 1.5x or 1.3x slower, the two decode steps after
-    a prefill 1.4x and 1.2x, a step beside another busy worker 1.25x or 1.15x, a 40 us gap after a step
+    a prefill 1.4x and 1.2x, a decode step beside another busy worker's decode 1.3x, beside its prefill
+    1.1x, a prefill beside either 1.15x, a 40 us gap after a step
     that makes no token, 130 us after others, no noise) written as a real run's files; calibrating the
     profile's isolated model on them gives those costs back."""
     prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
     given = {"after_idle": {"decode": 1.5, "prefill": 1.3}, "after_prefill": [1.4, 1.2],
-             "contention": {"decode": 1.25, "prefill": 1.15}}
+             "contention": {"decode": {"decode": 1.3, "prefill": 1.1}, "prefill": 1.15}}
     prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
                        "slowdown": None, "noise": None, "handoff": {}} | given
     path = tmp_path / "profile.json"
@@ -158,7 +177,8 @@ def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_pa
         assert curve_at(cal["after_idle"][kind], 0.1) == pytest.approx(x, rel=0.05), kind
     assert cal["after_prefill"][:2] == pytest.approx([1.4, 1.2], rel=0.05)
     assert cal["after_prefill"][2:] == pytest.approx([1.0] * len(cal["after_prefill"][2:]), rel=0.05)
-    assert cal["contention"] == pytest.approx(given["contention"], rel=0.05)
+    assert cal["contention"]["decode"] == pytest.approx({"decode": 1.3, "prefill": 1.1}, rel=0.05)
+    assert cal["contention"]["prefill"]["decode"] == pytest.approx(1.15, rel=0.05)
     assert cal["gap_quiet_s"] == pytest.approx(40e-6, rel=0.05) and cal["gap_s"] == pytest.approx(130e-6, rel=0.1)
     assert cal["num"]["quiet_gaps"] > 50 and min(cal["num"]["after_idle_steps"].values()) >= 20
     assert min(cal["num"]["contended_steps"].values()) >= 20 and cal["num"]["after_prefill_steps"] >= 20
@@ -167,3 +187,21 @@ def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_pa
     handoff = cal["handoff"]["zmq"]
     assert handoff["latency_s"] == pytest.approx(e0 + t["latency_s"], rel=0.05)
     assert 1 / handoff["bandwidth"] == pytest.approx(e1 + 1 / t["bandwidth"], rel=0.05)
+
+
+def test_the_handoff_fit_prices_the_time_its_sender_steps_beside_it():
+    """Handoffs of 1 ms + bytes / 1 GB/s; those whose sender stepped from d on took d + (W - d) x 1.6,
+    whether it stepped at once or a few ms in. The fit recovers the link from the others and the 1.6x."""
+    from experiments.analysis.calibrate import handoff_fits
+
+    rng = np.random.default_rng(3)
+    pairs = []
+    for i in range(200):
+        b = float(rng.integers(1, 16)) * 1e6
+        w = 1e-3 + b / 1e9
+        d = [0.1e-3, 0.4 * w, math.inf, math.inf][i % 4]      # a quarter at once, a quarter later, half never
+        pairs.append((b, w if d == math.inf else d + (w - d) * 1.6, d))
+    fit = handoff_fits({"zmq": pairs}, per_bin=20)["zmq"]
+    assert fit["latency_s"] == pytest.approx(1e-3, rel=0.01) and fit["bandwidth"] == pytest.approx(1e9, rel=0.01)
+    assert fit["busy"] == pytest.approx(1.6, rel=0.01) and fit["num_busy"] == 100
+    assert min(fit["noise"]) == pytest.approx(1.0) and max(fit["noise"]) == pytest.approx(1.0)

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def by_worker(steps: list[dict]) -> dict[str, list[dict]]:
 
 def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 20) -> dict:
     returns, queues, gaps, quiet_gaps, others = [], [], [], [], []
-    handoffs: dict[str, list[tuple]] = {}          # transport -> (bytes, exposed seconds, sender busy)
+    handoffs: dict[str, list[tuple]] = {}          # transport -> (bytes, exposed seconds, until the sender steps)
     # (predicted, measured seconds, State)
     steps_seen = {"decode": [], "prefill": []}
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
@@ -136,7 +137,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
                 k, prompt = since.get(id(s), (NEVER, 0))
-                state = State(idle.get(id(s)), k, overlap.get(id(s), 0.0), id(s) in in_transfer, role, prompt)
+                busy, prefilling = overlap.get(id(s), (0.0, 0.0))
+                state = State(idle.get(id(s)), k, busy, prefilling, id(s) in in_transfer, role, prompt)
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
                     steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, state))
@@ -145,8 +147,9 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     f = chunk_features(0, 0, [(p, 0, True)])
                     steps_seen["prefill"].append((model.time(f), measured, state))
             if not whole:
-                steps_seen["prefill"] += [(p, m, State(idle.get(id(s)), NEVER, overlap.get(id(s), 0.0), False, role, 0))
-                                          for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
+                steps_seen["prefill"] += [
+                    (p, m, State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0))
+                    for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
                 continue
@@ -157,7 +160,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             if (ident.get("mode") == "disaggregated" and ident.get("stream") == "off" and r.get("transfer_bytes")
                     and (r.get("exposed_transfer_s") or 0) > 0):
                 handoffs.setdefault(ident.get("transfer") or "zmq", []).append(
-                    (r["transfer_bytes"], r["exposed_transfer_s"], sender_busy(workers.get(r["prefill_worker"], []),
+                    (r["transfer_bytes"], r["exposed_transfer_s"], sender_next(workers.get(r["prefill_worker"], []),
                                                                                r["arrival_s"] + r["ttft_s"])))
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
@@ -186,36 +189,44 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
 
 
 def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
-    """Per transport, exposed handoff seconds = latency + bytes / bandwidth over the measured handoffs
-    (at least `per_bin` of them, at two sizes or more) whose sender went idle after the prefill, its fit
-    error; `busy`: how much longer one takes whose sender stepped again at once (sender_busy: its
-    sender thread then shares the core with the next prompt; 1.27x in the calibration run of 18:48,
-    1.59x on three runs after it), the median of measured / fitted over those (1.0 with fewer than
-    `per_bin`); and the quantiles of measured / (fitted x busy where it applies), median 1, for the
-    simulator's draws."""
+    """Per transport, from (bytes, exposed seconds, seconds until the sender's next step) per measured
+    handoff: exposed = latency + bytes / bandwidth fitted over those whose sender did not step while it
+    ran (at least `per_bin`, at two sizes or more), its fit error; `busy`: how much slower a handoff
+    goes while its sender steps (its sender thread then shares the worker's core with the next
+    prompt). A handoff of fitted time W whose sender stepped from d on took d + (W - d) x busy, so
+    each one whose sender stepped in the first half of W gives busy = (measured - d) / (W - d), and
+    `busy` is their median (1.0 with fewer than `per_bin`): 1.64x in the calibration run of 21:48,
+    1.44x and 1.99x in runs of 21:44 and 21:46 (a handoff was as slow when its sender stepped 1-5
+    ms after it began as within 1 ms, which an earlier rule, busy only within 1 ms, left at 1x).
+    `noise`: the quantiles of measured / modelled, median 1, for the simulator's draws."""
     from experiments.sim.transfer import fit_transfer
 
     out = {}
     for transport, pairs in handoffs.items():
-        quiet = [(b, s) for b, s, busy in pairs if not busy]
+        quiet = [(b, s) for b, s, d in pairs if d >= s]
         if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
             quiet = [(b, s) for b, s, _ in pairs]
         if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
             continue
         model, err = fit_transfer([b for b, _ in quiet], [s for _, s in quiet], f"{transport} (serving)")
-        busy = [s / model.seconds(b) for b, s, x in pairs if x]
+        busy = [(s - d) / (model.seconds(b) - d) for b, s, d in pairs if d < min(s, 0.5 * model.seconds(b))]
         factor = statistics.median(busy) if len(busy) >= per_bin else 1.0
-        ratios = [s / model.seconds(b) / (factor if x else 1.0) for b, s, x in pairs]
+
+        def modelled(b, s, d):
+            w = model.seconds(b)
+            return d + (w - d) * factor if d < min(s, w) else w
+
+        ratios = [s / modelled(b, s, d) for b, s, d in pairs]
         out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs), "busy": factor,
                                             "num_busy": len(busy), "noise": quantiles(ratios, normalise=True)}
     return out
 
 
-def sender_busy(steps: list[dict], first_token: float, within_s: float = 1e-3) -> bool:
-    """The prefill worker started its next step within `within_s` of the step that made a request's first
-    token (it had the next prompt already)."""
+def sender_next(steps: list[dict], first_token: float) -> float:
+    """Seconds from the end of the step that made a request's first token to its prefill worker's next
+    step start (inf: none)."""
     i = bisect.bisect_left([s["start_s"] for s in steps], first_token)
-    return i < len(steps) and steps[i]["start_s"] - first_token <= within_s
+    return max(0.0, steps[i]["start_s"] - first_token) if i < len(steps) else math.inf
 
 
 def token_steps(rows: list[dict], worker: str, ss: list[dict]) -> set[int]:

@@ -36,6 +36,7 @@ class State(NamedTuple):
     idle: float | None          # seconds its worker had been idle before it; None: it was busy
     k: int                      # decode-only steps between the worker's last step with prompt tokens and it
     busy: float                 # the share of its time another worker of its host had work
+    beside_prefill: float       # of its time, the share that worker was prefilling (in or after a step with prompt tokens)
     transfer: bool              # a KV transfer from or to its worker was in flight
     role: str                   # its worker's role
     prompt: int                 # prompt tokens of the worker's last step with some (0: none yet)
@@ -68,13 +69,24 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     def med(xs):
         return statistics.median(xs) if len(xs) >= per_bin else 1.0
 
-    contention = {kind: med([x for x, st in v if st.busy >= 1 - ALONE and not st.transfer and st.idle is None
-                             and st.k >= ECHO_STEPS]) for kind, v in ratios.items()}
+    def beside(kind, v):
+        """{what the other worker did: factor} from this kind's steps in no other state that shared at
+        least 1 - ALONE of their time with it doing that; the pooled factor where too few did."""
+        xs = [(x, st.beside_prefill / st.busy) for x, st in v if st.busy >= 1 - ALONE and not st.transfer
+              and st.idle is None and st.k >= ECHO_STEPS]
+        pooled = med([x for x, _ in xs])
+        out = {}
+        for other, keep in (("decode", lambda f: f <= ALONE), ("prefill", lambda f: f >= 1 - ALONE)):
+            mine = [x for x, f in xs if keep(f)]
+            out[other] = statistics.median(mine) if len(mine) >= per_bin else pooled
+        return out
+
+    contention = {kind: beside(kind, v) for kind, v in ratios.items()}
 
     def echo_of(steps):
         out = []
         for j in range(ECHO_STEPS):
-            xs = [x / contended(st.busy, contention["decode"]) for x, st in steps
+            xs = [x / contended(st, contention["decode"]) for x, st in steps
                   if st.k == j and st.idle is None and not st.transfer]
             if len(xs) < per_bin:
                 break
@@ -91,7 +103,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
 
     def known(kind, x, st):
         e = echo_factors(echo, by_size, st.prompt)
-        return x / contended(st.busy, contention[kind]) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
+        return x / contended(st, contention[kind]) / (e[st.k] if kind == "decode" and st.k < len(e) else 1.0)
 
     def idle_curve(pairs):
         xs, ys = rising_curve(sorted(pairs), per_bin) if len(pairs) >= per_bin else ([1.0], [1.0])
@@ -166,37 +178,53 @@ def since_prefill(ss: list[dict]) -> dict[int, tuple[int, int]]:
     return out
 
 
-def overlaps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> dict[int, float]:
-    """id of each step -> the share of its time another worker of its host had work: was in a step, or
-    between two steps after one that left it work (running or waiting requests). Workers without a
-    host in `hosts` (a run whose metrics do not say) share one."""
-    busy = {}
+def overlaps(workers: dict[str, list[dict]], hosts: dict[str, str]) -> dict[int, tuple[float, float]]:
+    """id of each step -> (the share of its time another worker of its host had work: was in a step, or
+    between two steps after one that left it work (running or waiting requests); the share it was
+    prefilling: in, or after, a step with prompt tokens). Workers without a host in `hosts` (a run
+    whose metrics do not say) share one."""
+    busy: dict[str, list[tuple[float, float, bool]]] = {}
     for w, ss in workers.items():
-        busy[w] = [(cur["start_s"], nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"])
-                   for cur, nxt in zip(ss, ss[1:])] + ([(ss[-1]["start_s"], ss[-1]["end_s"])] if ss else [])
+        busy[w] = [(cur["start_s"], nxt["start_s"] if (cur["num_running"] or cur["num_waiting"]) else cur["end_s"],
+                    bool(cur["num_prefill_tokens"])) for cur, nxt in zip(ss, ss[1:])]
+        busy[w] += [(ss[-1]["start_s"], ss[-1]["end_s"], bool(ss[-1]["num_prefill_tokens"]))] if ss else []
     out = {}
     for w, ss in workers.items():
-        merged: list[list[float]] = []
-        for a, b in sorted(iv for o in workers if o != w and hosts.get(o) == hosts.get(w) for iv in busy[o]):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        starts = [a for a, _ in merged]
+        others = [iv for o in workers if o != w and hosts.get(o) == hosts.get(w) for iv in busy[o]]
+        share = _covered(ss, [(a, b) for a, b, _ in others])
+        prefilling = _covered(ss, [(a, b) for a, b, p in others if p])
         for s in ss:
-            t0, t1 = s["start_s"], s["end_s"]
-            covered, i = 0.0, max(0, bisect.bisect_right(starts, t0) - 1)
-            while i < len(merged) and merged[i][0] < t1:
-                covered += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
-                i += 1
-            out[id(s)] = covered / (t1 - t0) if t1 > t0 else float(any(a <= t0 < b for a, b in merged[i - 1:i]))
+            out[id(s)] = (share[id(s)], min(prefilling[id(s)], share[id(s)]))
     return out
 
 
-def contended(overlap: float, c: float) -> float:
-    """How much longer a step runs that shares `overlap` of its time with another busy worker, when
-    sharing makes work go c times slower: its work W took (1 - f) T + f T / c = W, so T = W / (1 - f + f / c)."""
-    return 1.0 / (1.0 - overlap + overlap / c)
+def _covered(ss: list[dict], intervals: list[tuple[float, float]]) -> dict[int, float]:
+    """id of each step -> the share of its time within the union of `intervals`."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+    out = {}
+    for s in ss:
+        t0, t1 = s["start_s"], s["end_s"]
+        covered, i = 0.0, max(0, bisect.bisect_right(starts, t0) - 1)
+        while i < len(merged) and merged[i][0] < t1:
+            covered += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
+            i += 1
+        out[id(s)] = covered / (t1 - t0) if t1 > t0 else float(any(a <= t0 < b for a, b in merged[i - 1:i]))
+    return out
+
+
+def contended(st: State, c: dict) -> float:
+    """How much longer a step runs that shares a share f_d of its time with another busy worker that
+    decodes and f_p with one that prefills, when sharing makes work go c["decode"] or c["prefill"] times
+    slower: its work W took (1 - f_d - f_p) T + f_d T / c_d + f_p T / c_p = W."""
+    f_p = st.beside_prefill
+    f_d = st.busy - f_p
+    return 1.0 / (1.0 - f_d - f_p + f_d / c["decode"] + f_p / c["prefill"])
 
 
 def transfer_steps(workers: dict[str, list[dict]], rows: list[dict]) -> set[int]:

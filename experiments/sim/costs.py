@@ -37,7 +37,7 @@ class Costs:
     detail: dict = field(default_factory=dict)     # the profile's conditions (machine load, fit errors)
     noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
     role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
-    handoff_busy: float = 1.0                      # a KV send whose sender steps on at once takes this much longer
+    handoff_busy: float = 1.0                      # a KV send goes this much slower while its sender steps
 
     def step_for(self, role: str):
         return self.role_step.get(role, self.step)

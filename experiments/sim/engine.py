@@ -28,7 +28,7 @@ from workers.config import EngineConfig, blocks_for
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
-from experiments.sim.stepmodel import echo_factors, features
+from experiments.sim.stepmodel import beside_factor, echo_factors, features
 
 NEVER = 1 << 30             # since_prefill of an engine that has run no step with prompt tokens
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
@@ -132,12 +132,13 @@ class SimEngine:
         return self.scheduler.has_work()
 
     # -- one scheduled step ----------------------------------------------------------------------
-    def schedule(self, idle_s: float | None = None, contended: bool = False, in_transfer: bool = False,
+    def schedule(self, idle_s: float | None = None, beside: str | None = None, in_transfer: bool = False,
                  at: float = 0.0) -> tuple[SchedulerOutput, float]:
         """The real scheduler's next step and its modelled duration (0.0 for an empty step), times the
         model's serving factors for the worker's state: `after_idle` (it starts the worker after
-        `idle_s` seconds idle; None: it was busy), `contended` (another worker of its host has work at its start:
-        the simulator rescales the step if that changes before it ends),
+        `idle_s` seconds idle; None: it was busy), `beside` (what another worker of its host with work does at its start,
+        "decode" or "prefill"; None: none has work; the simulator rescales the step if that changes before
+        it ends),
         `in_transfer` (a KV transfer from or to it is in flight) and, for a decode-only step,
         `after_prefill` (by the decode-only steps since the worker's last step with prompt tokens); its
         noise is drawn for a step starting `at`."""
@@ -148,8 +149,7 @@ class SimEngine:
         kind = "prefill" if sched.prefills else "decode"
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d *= self.model.idle_factor(kind, idle_s)
-        if contended:
-            d *= self.contention(kind)
+        d *= self.contention(kind, beside)
         if in_transfer:
             d *= self.transfer_factor(kind)
         echo = self._echo()
@@ -164,9 +164,10 @@ class SimEngine:
         return echo_factors(getattr(m, "after_prefill", None), getattr(m, "after_prefill_by_size", None),
                             self.last_prompt)
 
-    def contention(self, kind: str) -> float:
-        """How much slower a step of `kind` works while another worker of its host has work."""
-        return (getattr(self.model, "contention", None) or {}).get(kind, 1.0)
+    def contention(self, kind: str, beside: str | None) -> float:
+        """How much slower a step of `kind` works while another worker of its host has work and does
+        `beside` ("decode" or "prefill"; None: none has work, 1.0)."""
+        return beside_factor(getattr(self.model, "contention", None), kind, beside)
 
     def transfer_factor(self, kind: str) -> float:
         """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""
@@ -264,10 +265,10 @@ class SimEngine:
             need += max(0, blocks_for(r.num_computed_tokens + steps, bs) - len(r.block_ids))
         return need
 
-    def start_run(self, start: float, k: int, idle_s: float | None = None, contended: bool = False,
+    def start_run(self, start: float, k: int, idle_s: float | None = None, beside: str | None = None,
                   transfer_until: float = 0.0) -> DecodeRun:
-        """k decode-only steps from `start`, with schedule()'s serving factors (`contended` holds for the
-        whole run: the simulator cuts it when a worker of the host goes idle or busy; the steps that
+        """k decode-only steps from `start`, with schedule()'s serving factors (`beside` holds for the
+        whole run: the simulator cuts it when that changes on the host; the steps that
         start before `transfer_until` are in a KV transfer's window)."""
         reqs = list(self.scheduler.running)
         b = len(reqs)
@@ -276,8 +277,7 @@ class SimEngine:
         d = self.model.decode_run(b, int(computed.sum()), k)
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d[0] *= self.model.idle_factor("decode", idle_s)
-        if contended:
-            d *= self.contention("decode")
+        d *= self.contention("decode", beside)
         echo, k0 = self._echo(), self.since_prefill
         if echo and k0 < len(echo):
             j = min(k, len(echo) - k0)

@@ -93,6 +93,7 @@ class Attempt:
     handoff_at: float | None = None
     first_token_worker_time: float | None = None
     decode_start: float | None = None
+    kv_due: float | None = None    # when its KV is due in (its transfer in flight may be moved later)
     sent: bool = False
     imported: bool = False
     num_tokens: int = 0

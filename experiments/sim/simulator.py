@@ -310,17 +310,20 @@ class Simulator:
             w.version += 1
             self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
 
-    def _busy(self, w: SimWorker, busy: bool) -> None:
-        """w gets work or goes idle. The host's other busy worker, whose contention that flips, runs the
-        rest of its step in flight at the new rate (its remaining time scaled by new / old factor), and
-        its decode run is cut after that step, so the steps after it are timed in the new state."""
-        for o in self.hosts.mark(w, busy):
-            if o.state == "run":
-                self._cut(o)
-            elif o.state != "step":
+    def _busy(self, w: SimWorker, busy: bool, prefill: bool = False) -> None:
+        """w gets work, starts a step (`prefill`: with prompt tokens) or goes idle. Each other busy
+        worker of the host whose contention that changes (HostLoad.beside) runs the rest of its step in
+        flight at the new rate (its remaining time scaled by new / old factor), and its decode run is
+        cut after that step, so the steps after it are timed in the new state."""
+        for o in self.hosts.mark(w, busy, prefill):
+            if o.state not in ("run", "step"):
                 continue
             kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
-            c = o.engine.contention(kind) if self.hosts.contended(o) else 1.0
+            c = o.engine.contention(kind, self.hosts.beside(o))
+            if c == o.step_c:
+                continue
+            if o.state == "run":
+                self._cut(o)
             start, end = o.in_flight()
             if c != o.step_c and end > self.now:
                 end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
@@ -378,23 +381,27 @@ class Simulator:
         if not e.has_work():
             self._idle(w)
             return
+        if w.sending:
+            self._sender_steps(w, t)
         k = e.run_length()
         idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
-        contended = self.hosts.contended(w)
+        beside = self.hosts.beside(w)
         if k >= 1:
-            run = e.start_run(t, k, idle_s, contended, w.transfer[1] if w.transfer[0] <= t else 0.0)
-            w.step_c = e.contention("decode") if contended else 1.0
+            run = e.start_run(t, k, idle_s, beside, w.transfer[1] if w.transfer[0] <= t else 0.0)
+            w.step_c = e.contention("decode", beside)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
+            self._busy(w, True, prefill=False)
             return
-        sched, d = e.schedule(idle_s, contended, w.transfer[0] <= t < w.transfer[1], t)
+        sched, d = e.schedule(idle_s, beside, w.transfer[0] <= t < w.transfer[1], t)
         if not sched:
             self._idle(w)                           # nothing it can schedule until something changes
             return
         w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
-        w.step_c = e.contention("prefill" if sched.prefills else "decode") if contended else 1.0
+        w.step_c = e.contention("prefill" if sched.prefills else "decode", beside)
         self.push(t + d, self._step_end, w, w.version)
+        self._busy(w, True, prefill=bool(sched.prefills))
 
     def _step_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -489,10 +496,9 @@ class Simulator:
             last = min(1.0, self.cfg.transfer.stream_layers / self.cfg.num_layers)
         else:
             last = min(1.0, last_chunk / max(att.prompt_len, 1))
-        busy = self.costs.handoff_busy if (w.engine.has_work() or w.inbox or w.arrivals) else 1.0
         start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
                                       req.first_scheduled_time if stream != "off" else None, last,
-                                      self.noise.factor("handoff") * busy)
+                                      self.noise.factor("handoff"))
         rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
         for x in (w, d):                        # both ends' threads work on it from the prefill's end
             x.transfer = (x.transfer[0], max(x.transfer[1], done)) if x.transfer[1] >= ready else (ready, done)
@@ -500,12 +506,34 @@ class Simulator:
             self._cut(d)                        # its steps from now on are in the transfer's window
         att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
         att.dreq.num_out, att.dreq.attempt = 1, att
-        self.push(done, self._kv_arrived, att)
+        att.kv_due = done
+        if self.costs.handoff_busy != 1.0:
+            w.sending.append((att, start))
+        self.push(done, self._kv_arrived, att, done)
         if done - att.handoff_at > timeout:
             self.push(att.handoff_at + timeout, self._transfer_check, att)
 
-    def _kv_arrived(self, att: Attempt) -> None:
-        if not att.live:
+    def _sender_steps(self, w: SimWorker, t: float) -> None:
+        """w starts a step at t: the KV it is still sending goes handoff_busy slower from then on (its
+        sender thread shares the worker's core with the step, as calibrate measures it)."""
+        c = self.costs.handoff_busy
+        for att, start in w.sending:
+            old = att.kv_due
+            if not att.live or att.sent or old <= t:
+                continue
+            begin = max(t, start)
+            new = begin + (old - begin) * c
+            att.kv_due = new
+            att.rec.transfer_s += new - old
+            self.links.moved(w.rank, att.decode.rank, old, new)
+            for x in (w, att.decode):
+                if x.transfer[1] == old:
+                    x.transfer = (x.transfer[0], new)
+            self.push(new, self._kv_arrived, att, new)
+        w.sending.clear()
+
+    def _kv_arrived(self, att: Attempt, due: float) -> None:
+        if not att.live or due != att.kv_due:
             return
         att.sent = True
         att.rec.kv_arrived = self.now

@@ -95,7 +95,8 @@ class LinearStepModel:
     after_prefill: list | None = None      # [x0, x1, ...]: the decode-only step that follows k others since the
                                            # worker's last step with prompt tokens takes x_k times longer
     contention: dict | None = None         # {"decode": x, "prefill": y}: while another worker of its host
-                                           # has work, a step's work goes x or y times slower
+                                           # has work, a step's work goes x or y times slower; each a number
+                                           # or {"decode": .., "prefill": ..} by what that worker does (beside)
     kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
                                            # its worker is in flight (the worker's threads send or receive it)
     after_prefill_by_size: list | None = None   # after_prefill by that step's prompt tokens (echo_factors)
@@ -297,6 +298,15 @@ def echo_factors(pooled: list | None, by_size: list | None, prompt: int) -> list
         if b["max_tokens"] is None or prompt <= b["max_tokens"]:
             return b["factors"]
     return pooled or []
+
+
+def beside_factor(factors: dict | None, kind: str, beside: str | None) -> float:
+    """A step of `kind`'s factor from {kind: x} or {kind: {beside: x}} (contention: what another busy
+    worker of its host does, "decode" or "prefill"); 1.0 beside nothing (None) or where none is given."""
+    if not factors or beside is None:
+        return 1.0
+    x = factors.get(kind, 1.0)
+    return float(x.get(beside, 1.0)) if isinstance(x, dict) else float(x)
 
 
 def curve_at(factor, x: float) -> float:

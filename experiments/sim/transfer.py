@@ -84,3 +84,10 @@ class Links:
                        max(ready, free) + model.seconds(nbytes * last_part) * factor)
         self.egress[src] = self.ingress[dst] = done
         return start, done
+
+    def moved(self, src: int, dst: int, old: float, new: float) -> None:
+        """A transfer src -> dst that was to end at `old` ends at `new`: the links it holds are held
+        that much longer (unless a later transfer already holds them)."""
+        for links, end in ((self.egress, src), (self.ingress, dst)):
+            if links.get(end) == old:
+                links[end] = new

@@ -51,6 +51,7 @@ class SimWorker:
     step_c: float = 1.0                    # the contention factor its step in flight runs at now
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
+    sending: list = field(default_factory=list)      # attempts whose KV it sends, not yet beside a step of its
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
@@ -105,26 +106,45 @@ class SimWorker:
 
 
 class HostLoad:
-    """Which workers of each host have work (are not idle). While another worker of its host has work, a
-    step's work goes the step model's `contention` factor slower (on a CPU they share cores, caches and
-    memory bandwidth; the simulator rescales a step in flight when that changes); `on` is False when the
-    model has none, and then nothing is tracked."""
+    """Which workers of each host have work (are not idle), and which of those are prefilling (their
+    latest step had prompt tokens; until their next one, the host gap included). While another worker
+    of its host has work, a step's work goes the step model's `contention` factor slower, by what that
+    worker does (`beside`: "prefill" if one of them prefills, else "decode"; on a CPU they share cores,
+    caches and memory bandwidth, and decode steps beside decode steps also share the router's core with
+    twice the tokens to post); the simulator rescales a step in flight when that changes. `on` is
+    False when the model has no contention, and then nothing is tracked."""
 
     def __init__(self, workers: list[SimWorker], on: bool):
         self.on = on
         self._busy: dict[int, set] = {w.node: set() for w in workers}
+        self._prefilling: dict[int, set] = {w.node: set() for w in workers}
 
-    def contended(self, w: SimWorker) -> bool:
-        return self.on and any(o is not w for o in self._busy[w.node])      # looks at two at most
+    def beside(self, w: SimWorker) -> str | None:
+        """What the other workers of w's host with work do: "prefill", "decode", or None (none has work)."""
+        if not self.on:
+            return None
+        p = self._prefilling[w.node]
+        if len(p) > (w in p):
+            return "prefill"
+        b = self._busy[w.node]
+        return "decode" if len(b) > (w in b) else None
 
-    def mark(self, w: SimWorker, busy: bool) -> list[SimWorker]:
-        """Mark w busy or idle; returns the other worker whose contention that flips (the one other busy
-        worker of the host, when w is the second to become busy or leaves one behind), if any."""
-        s = self._busy.get(w.node) if self.on else None
-        if s is None or (w in s) == busy:
+    def mark(self, w: SimWorker, busy: bool, prefill: bool = False) -> list[SimWorker]:
+        """Mark w busy (its latest step prefilling or not) or idle; returns the host's other busy workers
+        whose `beside` that changes. Another worker o sees a change only where w's move empties or fills
+        a set less o (one that then holds one worker at most), so most moves on a busy host cost nothing."""
+        if not self.on:
             return []
-        (s.add if busy else s.discard)(w)
-        return [o for o in s if o is not w] if len(s) == (2 if busy else 1) else []
+        b, p = self._busy[w.node], self._prefilling[w.node]
+        now_p = busy and prefill
+        moved = [s for s, now in ((b, busy), (p, now_p)) if (w in s) != now]
+        if not moved:
+            return []
+        felt = any(min(len(s), len(s) + (1 if w not in s else -1)) <= 1 for s in moved)
+        before = {o: self.beside(o) for o in b if o is not w} if felt else {}
+        (b.add if busy else b.discard)(w)
+        (p.add if now_p else p.discard)(w)
+        return [o for o, x in before.items() if self.beside(o) != x]
 
 
 def nodes_of(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
