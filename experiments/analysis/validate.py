@@ -31,7 +31,7 @@ from experiments.sim.backend import outputs, profile_for, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival
 
-SEEDS = 5
+SEEDS = 25
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
 TARGETS = {"mean": 0.05, "p50": 0.05, "p90": 0.10, "p99": 0.10, "goodput": 0.05}
 
