@@ -46,7 +46,9 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     """The serving factors of a step by its State, from (predicted, measured, State) per step kind: the
     slowdown curve from steps in none of the states below; then `contention` (work goes that much
     slower while another worker of the host has work: from steps that shared at least 1 - ALONE of
-    their time with one, the rest priced by their share: contended), per kind; `after_prefill`, the decode-only steps 0, 1, ... after the
+    their time with one, the rest priced by their share: contended), per kind and per what that
+    worker did (decode or prefill: {kind: {beside: factor}}, the pooled factor where fewer than
+    `per_bin` steps shared their time with one kind alone); `after_prefill`, the decode-only steps 0, 1, ... after the
     worker's last step with prompt tokens (as long as `per_bin` of them were seen, up to ECHO_STEPS),
     and `after_prefill_by_size` the same per size of that step (PROMPT_SIZES: a 64-token chunk pushes
     less out of the caches than a whole prompt); `after_idle`, per kind, a curve by the time the
