@@ -76,6 +76,31 @@ def test_contention_follows_what_the_other_worker_of_the_host_does(fast_forward)
     assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
 
 
+def test_a_worker_s_steps_take_the_factor_of_its_place_on_the_host():
+    # the host's second worker (place 1) takes 2x on its decode steps: B, there because A keeps the
+    # first busy, prefills [3.5, 5.5] as anywhere and decodes [5.5, 7.7]; A's steps are as modelled
+    c = with_model(costs(), by_place={"decode": {"0": 1.0, "1": 2.0}})
+    sim = Simulator(colocated(policy="prefill_first", budget=4096, workers=2), c)
+    a, b = sim.run([Arrival("a", 0.0, 100, 6), Arrival("b", 3.5 * MS, 100, 2)])
+    assert (a.decode_worker, b.decode_worker) == ("colocated:0", "colocated:1")
+    assert ms(a.token_times()) == pytest.approx([2.0, 3.1, 4.2, 5.3, 6.4, 7.5])
+    assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
+
+
+def test_place_factors_price_each_place_and_leave_the_residual_alike():
+    from experiments.analysis.calibrate import place_factors
+
+    rng = np.random.default_rng(1)
+    noise = list(np.exp(0.1 * rng.standard_normal(400)))
+    res = {"decode": noise[:200] + [1.2 * x for x in noise[200:]], "prefill": noise[:30]}
+    places = {"decode": [0] * 200 + [1] * 200, "prefill": [0] * 30}
+    by_place, adjusted = place_factors(res, places, per_bin=20)
+    assert by_place["decode"]["1"] / by_place["decode"]["0"] == pytest.approx(1.2, rel=0.05)
+    assert "prefill" not in by_place                       # one place only: nothing to tell apart
+    a0, a1 = np.median(adjusted["decode"][:200]), np.median(adjusted["decode"][200:])
+    assert a1 == pytest.approx(a0, rel=0.05) and adjusted["prefill"] == res["prefill"]
+
+
 def test_a_step_after_idle_takes_the_factor_of_how_long_its_worker_idled():
     # after 0.1 s idle a decode step takes 2x, after 1 ms 1x (the curve is linear in log idle time)
     curve = {"idle_s": [1e-3, 0.1], "ratio": [1.0, 2.0]}

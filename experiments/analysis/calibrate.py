@@ -46,6 +46,7 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     landing): its threads serialise, send or receive it beside the step: 1.47x for a decode worker's
     step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
     (read at the start, contention had left 1.14x here);
+- by_place: what is left, per step kind, by the worker's place on its host (place_factors);
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (step_states.drift_fit): how that residual carries from one step of a worker to its next ones (rank
@@ -88,9 +89,13 @@ def _repeats(run_dir: Path):
             continue
         for d in point.repeats:
             metrics = _read(d / "metrics.json") if (d / "metrics.json").is_file() else {}
-            hosts = {w["worker"]: w.get("host") for w in (metrics.get("isolation") or {}).get("per_worker") or []}
+            per_worker = (metrics.get("isolation") or {}).get("per_worker") or []
+            hosts = {w["worker"]: w.get("host") for w in per_worker}
+            places = {w["worker"]: sum(1 for o in per_worker[:i] if o.get("host") == w.get("host"))
+                      for i, w in enumerate(per_worker)}          # its order among its host's workers
             yield (point.info | {"machine": metrics.get("machine") or {}, "stream": _read_stream(d / "config.yaml"),
-                                 "hosts": hosts}, read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"))
+                                 "hosts": hosts, "places": places},
+                   read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"))
 
 
 def _read(path: Path) -> dict:
@@ -122,6 +127,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     handoffs: dict[str, list[tuple]] = {}          # transport -> (bytes, exposed seconds, until the sender steps)
     # (predicted, measured seconds, State)
     steps_seen = {"decode": [], "prefill": []}
+    places = {"decode": [], "prefill": []}          # the place on its host of each step's worker
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
     for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
@@ -130,6 +136,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             others.append(ident["machine"]["other_cores"])
         whole = ident.get("mode") == "disaggregated" or ident.get("policy") == "prefill_first"
         for worker, ss in workers.items():
+            place = ident["places"].get(worker)
+            seen = {kind: len(v) for kind, v in steps_seen.items()}
             idle, since = after_idle(ss), since_prefill(ss)      # idle: {id: seconds idle before}
             role = worker.partition(":")[0]
             made = token_steps(rows, worker, ss)
@@ -153,6 +161,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 steps_seen["prefill"] += [
                     (p, m, State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0))
                     for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
+            for kind, v in steps_seen.items():
+                places[kind] += [place] * (len(v) - seen[kind])
         for r in rows:
             if r.get("status") != "ok" or r.get("queue_s") is None:
                 continue
@@ -168,7 +178,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     factors = state_factors(steps_seen, model, per_bin)
-    slowdown, after, residual = factors["slowdown"], factors["after_idle"], factors["residual"]
+    slowdown, after = factors["slowdown"], factors["after_idle"]
+    by_place, residual = place_factors(factors["residual"], places, per_bin)
     g0 = statistics.median(gaps) if gaps else model.gap(0)
     dispatch = [max(0.0, q - g0) for q in queues]
     noise = {"decode": quantiles(residual["decode"], normalise=True),
@@ -182,6 +193,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "after_prefill": factors["after_prefill"], "after_prefill_by_size": factors["after_prefill_by_size"],
             "contention": factors["contention"],
             "after_idle_by_role": factors["after_idle_by_role"], "kv_transfer": factors["kv_transfer"],
+            "by_place": by_place,
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
             "handoff": handoff_fits(handoffs, per_bin),
@@ -189,6 +201,32 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     "quiet_gaps": len(quiet_gaps), "decode_steps": len(steps_seen["decode"]),
                     "prefill_steps": len(steps_seen["prefill"]),
                     **factors["num"]}}
+
+
+def place_factors(residual: dict, places: dict, per_bin: int) -> tuple[dict | None, dict]:
+    """({kind: {place: factor}}, the residuals less it): per step kind, how much longer the steps of the
+    worker at each place on its host ran than all of them, once every state is priced (the median of
+    its residuals over the median of all, for places with `per_bin` steps or more, where two places at
+    least have that many). None where no run says where its workers ran (metrics.json's isolation).
+    Here the second worker of the host (the second core) ran slower in every state: colocated decode
+    steps beside the other's decodes 0.97-1.34x against 0.94-1.10x for the first worker's, alone
+    0.89-1.17x against 0.82-0.96x (the calibration run of 23:53 and two runs after it); fitted at
+    23:53, decode steps 0.95x at place 0 and 1.06x at place 1 (where 1P+1D's decode worker runs),
+    prompts 0.99x and 1.04x. The router, not pinned when each worker holds a core, may run there more
+    often (not measured)."""
+    out = {}
+    for kind, res in residual.items():
+        groups: dict = {}
+        for r, place in zip(res, places[kind]):
+            if place is not None:
+                groups.setdefault(place, []).append(r)
+        groups = {k: v for k, v in groups.items() if len(v) >= per_bin}
+        if len(groups) >= 2:
+            m = statistics.median(res)
+            out[kind] = {str(k): statistics.median(v) / m for k, v in sorted(groups.items())}
+    adjusted = {kind: [r / (out.get(kind) or {}).get(str(place), 1.0) for r, place in zip(res, places[kind])]
+                for kind, res in residual.items()}
+    return out or None, adjusted
 
 
 def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:

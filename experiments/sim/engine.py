@@ -101,6 +101,7 @@ class SimEngine:
         self.num_steps = 0
         self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
         self.last_prompt = 0                   # that step's prompt tokens
+        self.place = 0                         # its order among its host's workers (the model's by_place)
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -149,7 +150,7 @@ class SimEngine:
         kind = "prefill" if sched.prefills else "decode"
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d *= self.model.idle_factor(kind, idle_s)
-        d *= self.contention(kind, beside)
+        d *= self.contention(kind, beside) * self.place_factor(kind)
         if in_transfer:
             d *= self.transfer_factor(kind)
         echo = self._echo()
@@ -168,6 +169,10 @@ class SimEngine:
         """How much slower a step of `kind` works while another worker of its host has work and does
         `beside` ("decode" or "prefill"; None: none has work, 1.0)."""
         return beside_factor(getattr(self.model, "contention", None), kind, beside)
+
+    def place_factor(self, kind: str) -> float:
+        """How much longer a step of `kind` takes on the worker at this place of its host (1.0 unmeasured)."""
+        return float(((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(str(self.place), 1.0))
 
     def transfer_factor(self, kind: str) -> float:
         """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""
@@ -277,7 +282,7 @@ class SimEngine:
         d = self.model.decode_run(b, int(computed.sum()), k)
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d[0] *= self.model.idle_factor("decode", idle_s)
-        d *= self.contention("decode", beside)
+        d *= self.contention("decode", beside) * self.place_factor("decode")
         echo, k0 = self._echo(), self.since_prefill
         if echo and k0 < len(echo):
             j = min(k, len(echo) - k0)

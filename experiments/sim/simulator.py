@@ -100,6 +100,7 @@ class Simulator:
                     "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
                     "max_model_len": cfg.max_model_len}
             engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
+            engine.place = sum(1 for n in nodes[:rank] if n == nodes[rank])
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
         self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "contention", None) for w in self.workers))

@@ -100,6 +100,9 @@ class LinearStepModel:
     kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
                                            # its worker is in flight (the worker's threads send or receive it)
     after_prefill_by_size: list | None = None   # after_prefill by that step's prompt tokens (echo_factors)
+    by_place: dict | None = None           # {"decode": {"0": x, "1": y}, "prefill": {...}}: a step of the
+                                           # worker at that place on its host (its order among the host's
+                                           # workers, the order their cores are handed out) takes x, y longer
 
     kind = "linear"
 
@@ -157,7 +160,8 @@ class LinearStepModel:
                 "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
                 "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
                 "after_prefill": self.after_prefill, "contention": self.contention,
-                "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size}
+                "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size,
+                "by_place": self.by_place}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -185,7 +189,7 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
-    after_prefill = after_prefill_by_size = contention = kv_transfer = None       # a datasheet GPU: no serving calibration
+    after_prefill = after_prefill_by_size = contention = kv_transfer = by_place = None    # a datasheet GPU: no serving calibration
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         return 1.0
@@ -326,7 +330,7 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
                                d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
                                d.get("contention"), d.get("kv_transfer"),
-                               d.get("after_prefill_by_size"))
+                               d.get("after_prefill_by_size"), d.get("by_place"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")
