@@ -27,8 +27,8 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     it work), by what it does, prefill (in or after a step with prompt tokens) or decode: work goes
     1.09x slower in decode steps, 1.22x in prefills while it does (one factor for both, at 18:48;
     apart, at 23:53: a decode step 1.16x beside decodes, 1.09x beside a prefill), though each worker
-    has a core of its own (they share caches, memory bandwidth and the router's core, which posts
-    twice the tokens while both decode); a step that shares a share f of its time runs
+    has a core of its own (they share caches, memory bandwidth and the router, which has twice the
+    tokens to post while both decode: a guess, not measured); a step that shares a share f of its time runs
     1 / (1 - f + f / c) longer (contended, with f and c per kind of neighbour). Read at the start
     only it missed most of it on long prefills: of the 1P+1D prompts that started with the decode
     worker idle, the fifth it then worked beside for over 30% of the step ran 1.77x the profile, the

@@ -51,7 +51,7 @@ class SimWorker:
     step_c: float = 1.0                    # the contention factor its step in flight runs at now
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
-    sending: list = field(default_factory=list)      # attempts whose KV it sends, not yet beside a step of its
+    sending: list = field(default_factory=list)      # (attempt, start) of KV it sends, slowed when it next steps
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
@@ -110,8 +110,9 @@ class HostLoad:
     latest step had prompt tokens; until their next one, the host gap included). While another worker
     of its host has work, a step's work goes the step model's `contention` factor slower, by what that
     worker does (`beside`: "prefill" if one of them prefills, else "decode"; on a CPU they share cores,
-    caches and memory bandwidth, and decode steps beside decode steps also share the router's core with
-    twice the tokens to post); the simulator rescales a step in flight when that changes. `on` is
+    caches and memory bandwidth; decode steps ran slower beside decodes than beside a prefill, perhaps as
+    the router then has twice the tokens to post: not measured); the simulator rescales a step in flight
+    when that changes. `on` is
     False when the model has no contention, and then nothing is tracked."""
 
     def __init__(self, workers: list[SimWorker], on: bool):
