@@ -8,6 +8,7 @@ retries of a request whose worker died or whose KV transfer was lost (its prompt
 already streamed, up to router.max_retries; two crashes and it fails), request timeouts. Faults:
 fault.kill_worker at fault.kill_after_s, fault.timeout_transfer_of (that handoff's KV is never
 sent; the router retries it after transfer.timeout_s).
+KV handoffs (sending, link contention, their arrival) are in experiments/sim/handoff.py.
 
 Token times are as router/records.py keeps them: when the step that made a token ended (the
 simulated workers share the router's clock), and when it reached the router (`client_*`, `return_s`
@@ -30,6 +31,7 @@ import numpy as np
 from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
+from experiments.sim.handoff import KVTransfers
 from experiments.sim.noise import Noise
 from experiments.sim.records import Attempt, Record
 from experiments.sim.transfer import STREAMS, Links
@@ -81,7 +83,7 @@ class Arrival:
     max_tokens: int
 
 
-class Simulator:
+class Simulator(KVTransfers):
     def __init__(self, cfg: SimConfig, costs: Costs):
         self.cfg, self.costs = cfg, costs
         self.mode = cfg.mode
@@ -475,75 +477,6 @@ class Simulator:
             self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
         else:
             self._idle(w)
-
-    # -- KV transfer --------------------------------------------------------------------------------
-    def _send_kv(self, w: SimWorker, req, ready: float, last_chunk: int) -> None:
-        """Send a handed-off request's KV, complete at `ready`. Streamed, its parts go as they are final
-        from the prefill's first step on; the last one is final only when the prefill ends: a group of
-        transfer.stream_layers layers (layer) or the last prompt chunk, `last_chunk` tokens (chunk)."""
-        att = req.attempt
-        w.engine.release(req)
-        if att is None or not att.live:
-            return
-        rec = att.rec
-        timeout = self.cfg.transfer.timeout_s
-        if att.drop_transfer:                      # fault injection: this transfer never happens
-            self.push(att.handoff_at + timeout, self._transfer_check, att)
-            return
-        d = att.decode
-        kind = "local" if not self.cfg.gpus_per_node else ("node" if d.node == w.node else "network")
-        stream = self.cfg.stream
-        if stream == "layer":
-            last = min(1.0, self.cfg.transfer.stream_layers / self.cfg.num_layers)
-        else:
-            last = min(1.0, last_chunk / max(att.prompt_len, 1))
-        start, done = self.links.send(w.rank, d.rank, att.nbytes, self.costs.link(kind), ready,
-                                      req.first_scheduled_time if stream != "off" else None, last,
-                                      self.noise.factor("handoff"))
-        rec.transfer_s, rec.transfer_bytes = done - start, att.nbytes
-        for x in (w, d):                        # both ends' threads work on it from the prefill's end
-            x.transfer = (x.transfer[0], max(x.transfer[1], done)) if x.transfer[1] >= ready else (ready, done)
-        if d.state == "run" and d.engine.transfer_factor("decode") != 1.0:
-            self._cut(d)                        # its steps from now on are in the transfer's window
-        att.dreq = sim_request(req.id, att.prompt_len, att.left, att.submitted_at)
-        att.dreq.num_out, att.dreq.attempt = 1, att
-        att.kv_due = done
-        if self.costs.handoff_busy != 1.0:
-            w.sending.append((att, start))
-        self.push(done, self._kv_arrived, att, done)
-        if done - att.handoff_at > timeout:
-            self.push(att.handoff_at + timeout, self._transfer_check, att)
-
-    def _sender_steps(self, w: SimWorker, t: float) -> None:
-        """w starts a step at t: the KV it is still sending goes handoff_busy slower from then on (its
-        sender thread shares the worker's core with the step, as calibrate measures it)."""
-        c = self.costs.handoff_busy
-        for att, start in w.sending:
-            old = att.kv_due
-            if not att.live or att.sent or old <= t:
-                continue
-            begin = max(t, start)
-            new = begin + (old - begin) * c
-            att.kv_due = new
-            att.rec.transfer_s += new - old
-            self.links.moved(w.rank, att.decode.rank, old, new)
-            for x in (w, att.decode):
-                if x.transfer[1] == old:
-                    x.transfer = (x.transfer[0], new)
-            self.push(new, self._kv_arrived, att, new)
-        w.sending.clear()
-
-    def _kv_arrived(self, att: Attempt, due: float) -> None:
-        if not att.live or due != att.kv_due:
-            return
-        att.sent = True
-        att.rec.kv_arrived = self.now
-        self._deliver(att.decode, ("kv", att))
-
-    def _transfer_check(self, att: Attempt) -> None:
-        if att.live and att.phase == "transfer" and not att.sent:
-            self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
-                             f"{self.cfg.transfer.timeout_s:g} s (transfer.timeout_s)")
 
     # -- faults -------------------------------------------------------------------------------------
     def _kill(self, w: SimWorker) -> None:
