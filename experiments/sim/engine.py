@@ -101,7 +101,7 @@ class SimEngine:
         self.num_steps = 0
         self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
         self.last_prompt = 0                   # that step's prompt tokens
-        self.place = 0                         # its order among its host's workers (the model's by_place)
+        self.place = "0"                       # its order among its host's workers (the model's by_place key)
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -172,7 +172,7 @@ class SimEngine:
 
     def place_factor(self, kind: str) -> float:
         """How much longer a step of `kind` takes on the worker at this place of its host (1.0 unmeasured)."""
-        return float(((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(str(self.place), 1.0))
+        return float(((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(self.place, 1.0))
 
     def transfer_factor(self, kind: str) -> float:
         """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""

@@ -92,6 +92,7 @@ class Simulator(KVTransfers):
         self.now = 0.0
         self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed, (costs.noise or {}).get("drift"))
         counts: dict[str, int] = {}
+        places: dict[int, int] = {}             # workers placed on each node so far
         self.workers: list[SimWorker] = []
         nodes = nodes_of(cfg.roles, cfg.gpus_per_node, cfg.placement)
         for rank, role in enumerate(cfg.roles):
@@ -102,7 +103,8 @@ class Simulator(KVTransfers):
                     "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
                     "max_model_len": cfg.max_model_len}
             engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
-            engine.place = sum(1 for n in nodes[:rank] if n == nodes[rank])
+            engine.place = str(places.get(nodes[rank], 0))
+            places[nodes[rank]] = places.get(nodes[rank], 0) + 1
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
         self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "contention", None) for w in self.workers))
@@ -328,7 +330,7 @@ class Simulator(KVTransfers):
             if o.state == "run":
                 self._cut(o)
             start, end = o.in_flight()
-            if c != o.step_c and end > self.now:
+            if end > self.now:
                 end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
                 o.version += 1
                 o.move_end(end)
