@@ -23,6 +23,7 @@ class ClusterConfig:
                                       # the driver when cores > workers); 0 = none: workers share cores
     torch_threads: int = 0            # per worker; 0 = one per core of its own (an equal share if shared)
     startup_timeout_s: float = 60.0   # placement and actor start; past it, fail with what is missing
+    speed_probe: bool = True          # each worker times the same two steps before serving (workers/probe.py)
     log_to_driver: bool = True
 
     def __post_init__(self):

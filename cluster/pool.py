@@ -97,6 +97,7 @@ class WorkerPool:
         self._store = None
         self._held: dict[str, set[int]] = {}
         self.isolation: dict | None = None
+        self.speed: dict | None = None         # {worker: the speed probe's result} (cluster.speed_probe)
 
     # -- bring-up -------------------------------------------------------------------------------
     def start(self) -> "WorkerPool":
@@ -142,6 +143,8 @@ class WorkerPool:
         self._isolate(cpus, driver_node)
         if self.cfg.mode == "disaggregated":
             self._wire()
+        if self.cfg.speed_probe:
+            self._probe()
         log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
         return self
 
@@ -183,6 +186,20 @@ class WorkerPool:
             log.warning("%s (%s)", SHARED_WARNING, self.isolation["reason"])
         elif driver is None:
             log.info("the driver shares the workers' cores: no core is left over for it")
+
+    def _probe(self) -> None:
+        """Each worker's speed probe, workers of one node one after another (so none is timed beside
+        another's probe), nodes at once."""
+        by_node: dict[str, list[WorkerHandle]] = {}
+        for w in self.workers:
+            by_node.setdefault(w.info["node_id"], []).append(w)
+        self.speed = {}
+        for place in range(max(map(len, by_node.values()))):
+            ws = [ws[place] for ws in by_node.values() if place < len(ws)]
+            for w, r in zip(ws, self._get([w.actor.probe.remote() for w in ws], "time the speed probe")):
+                self.speed[w.name] = r
+                if "error" in r:
+                    log.warning("%s: no speed probe (%s)", w.name, r["error"])
 
     def _engine(self, role: str) -> EngineConfig:
         cfg = self.engine_cfg[role] if isinstance(self.engine_cfg, dict) else self.engine_cfg.replace(role=role)

@@ -51,6 +51,7 @@ from cluster.transfer.wire import Expect
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.events import RequestFailed
+from workers.probe import speed_probe
 from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
 
 ABORTED_KEPT = 65536     # aborted request ids remembered, newest first: far more than are ever in flight
@@ -95,6 +96,13 @@ class Isolate:
     count is per thread); the caller waits on `done` for `result`."""
     cores: list
     threads: int
+    done: threading.Event
+    result: dict
+
+
+@dataclass
+class Probe:
+    """Time the speed probe's steps (workers/probe.py) in the loop thread, before serving."""
     done: threading.Event
     result: dict
 
@@ -148,10 +156,17 @@ class Worker:
     def isolate(self, cores: list[int], threads: int, timeout_s: float = 30.0) -> dict:
         """Pin every thread of this worker to `cores` and run torch with `threads` threads; returns what
         the loop thread reads back: {cores, torch_threads, error}."""
-        item = Isolate(list(cores), threads, threading.Event(), {})
+        return self._ask(Isolate(list(cores), threads, threading.Event(), {}), "pin itself", timeout_s)
+
+    def probe(self, timeout_s: float = 60.0) -> dict:
+        """The speed probe's medians (workers/probe.py), timed by the loop thread before any request:
+        {decode_s, prefill_s, context, prompt_tokens, rounds}, or {error} where it could not run."""
+        return self._ask(Probe(threading.Event(), {}), "time the speed probe", timeout_s)
+
+    def _ask(self, item, what: str, timeout_s: float) -> dict:
         self._inbox.put(item)
         if not item.done.wait(timeout_s):
-            raise RuntimeError(f"{self.role} worker {self.rank}: the loop thread did not pin itself within "
+            raise RuntimeError(f"{self.role} worker {self.rank}: the loop thread did not {what} within "
                                f"{timeout_s:g} s (alive: {self._loop.is_alive()})")
         return item.result
 
@@ -285,6 +300,12 @@ class Worker:
             torch.set_num_threads(max(1, item.threads))
             item.result.update(cores=usable_cores(), torch_threads=torch.get_num_threads(), error=error)
             item.done.set()
+        elif isinstance(item, Probe):
+            try:
+                item.result.update(speed_probe(self.engine))
+            except Exception as e:      # a worker that cannot probe still serves; the run says why
+                item.result.update(error=f"{type(e).__name__}: {e}")
+            item.done.set()
         elif isinstance(item, SetStream):
             self.engine.cfg = self.engine.cfg.replace(kv_stream=item.mode)
             self.engine.kv_listener = self.out.on_kv if item.mode != "off" else None
@@ -314,7 +335,6 @@ class Worker:
             if isinstance(ev, RequestFailed):
                 failed.append(ev)
                 continue
-            end = ev.time if end is None else end
             end = ev.time if end is None else end
             tokens.append([ev.request_id, ev.token, ev.finish_reason])
             if ev.first_scheduled is not None:

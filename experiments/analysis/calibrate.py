@@ -47,6 +47,11 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
     (read at the start, contention had left 1.14x here);
 - by_place: what is left, per step kind, by the worker's place on its host (place_factors);
+- speed: where the run's workers timed the speed probe before each repeat (workers/probe.py), how many
+  times the profile's time its steps took (probe_speed; the median over repeats). Every step above is
+  read at its repeat's speed (its time divided by it), so the factors hold at the profile's speed and
+  the simulator multiplies them by the speed of the run it replays (experiments.validate) or, with
+  none, by this one;
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (step_states.drift_fit): how that residual carries from one step of a worker to its next ones (rank
@@ -94,7 +99,7 @@ def _repeats(run_dir: Path):
             places = {w["worker"]: sum(1 for o in per_worker[:i] if o.get("host") == w.get("host"))
                       for i, w in enumerate(per_worker)}          # its order among its host's workers
             yield (point.info | {"machine": metrics.get("machine") or {}, "stream": _read_stream(d / "config.yaml"),
-                                 "hosts": hosts, "places": places},
+                                 "hosts": hosts, "places": places, "speed_probe": metrics.get("speed_probe")},
                    read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"))
 
 
@@ -129,8 +134,13 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     steps_seen = {"decode": [], "prefill": []}
     places = {"decode": [], "prefill": []}          # the place on its host of each step's worker
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
+    speeds = []                         # each probed repeat's speed (probe_speed)
     for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
         workers = by_worker(steps)
+        speed = probe_speed(ident["speed_probe"], model)
+        if speed is not None:
+            speeds.append(speed)
+        at = speed or {"decode": 1.0, "prefill": 1.0}       # steps are read at the speed the probe says
         overlap, in_transfer = overlaps(workers, ident["hosts"]), transfer_steps(workers, rows)
         if ident["machine"].get("other_cores") is not None:
             others.append(ident["machine"]["other_cores"])
@@ -145,8 +155,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 if (cur["num_running"] or cur["num_waiting"]) and not worker.startswith("prefill"):
                     (gaps if id(cur) in made else quiet_gaps).append(nxt["start_s"] - cur["end_s"])
             for s in ss:
-                measured = s["end_s"] - s["start_s"]
                 b, p = s["num_decode_seqs"], s["num_prefill_tokens"]
+                measured = (s["end_s"] - s["start_s"]) / at["prefill" if p else "decode"]
                 k, prompt = since.get(id(s), (NEVER, 0))
                 busy, prefilling = overlap.get(id(s), (0.0, 0.0))
                 state = State(idle.get(id(s)), k, busy, prefilling, id(s) in in_transfer, role, prompt)
@@ -159,7 +169,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     steps_seen["prefill"].append((model.time(f), measured, state))
             if not whole:
                 steps_seen["prefill"] += [
-                    (p, m, State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0))
+                    (p, m / at["prefill"], State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0))
                     for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
             for kind, v in steps_seen.items():
                 places[kind] += [place] * (len(v) - seen[kind])
@@ -196,11 +206,25 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "by_place": by_place,
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
+            "speed": {k: statistics.median(x[k] for x in speeds) for k in ("decode", "prefill")} if speeds else None,
             "handoff": handoff_fits(handoffs, per_bin),
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
-                    "quiet_gaps": len(quiet_gaps), "decode_steps": len(steps_seen["decode"]),
+                    "quiet_gaps": len(quiet_gaps), "probed_repeats": len(speeds),
+                    "decode_steps": len(steps_seen["decode"]),
                     "prefill_steps": len(steps_seen["prefill"]),
                     **factors["num"]}}
+
+
+def probe_speed(probes: dict | None, model) -> dict | None:
+    """{"decode": x, "prefill": y}: how many times the profile's time the speed probe's steps took
+    (workers/probe.py; the median over a repeat's workers), from metrics.json's speed_probe; None
+    where no worker probed."""
+    ok = [r for r in (probes or {}).values() if r.get("decode_s") and r.get("prefill_s")]
+    if not ok:
+        return None
+    return {"decode": statistics.median(r["decode_s"] / model.time(chunk_features(1, r["context"], [])) for r in ok),
+            "prefill": statistics.median(r["prefill_s"] / model.time(chunk_features(0, 0, [(r["prompt_tokens"], 0, True)]))
+                                         for r in ok)}
 
 
 def place_factors(residual: dict, places: dict, per_bin: int) -> tuple[dict | None, dict]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from experiments.analysis.calibrate import probe_speed
 from experiments.config import parse
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
@@ -30,6 +31,7 @@ from experiments.serving.metrics import summarize
 from experiments.sim.backend import outputs, profile_for, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival
+from experiments.sim.stepmodel import LinearStepModel
 
 SEEDS = 25
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
@@ -42,25 +44,35 @@ def metric_values(m: dict) -> dict:
     return out
 
 
-def _machine(rep_dir: Path) -> dict:
+def _metrics(rep_dir: Path) -> dict:
     try:
-        return json.loads((rep_dir / "metrics.json").read_text()).get("machine") or {}
+        return json.loads((rep_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
+def _machine(rep_dir: Path) -> dict:
+    return _metrics(rep_dir).get("machine") or {}
+
+
 def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
-           seeds: int = SEEDS, serving: dict | None = None) -> tuple[dict, dict, dict]:
+           seeds: int = SEEDS, serving: dict | None = None, use_speed: bool = True) -> tuple[dict, dict, dict]:
     """(real metrics, simulated metrics, the simulation's costs detail) of one repeat; the simulated
     value of each metric is its median over `seeds` simulations with different noise draws (one run's
-    draws move a tail as much as the machine does)."""
+    draws move a tail as much as the machine does). With `use_speed`, where the repeat's workers
+    timed the speed probe and the calibration did too, steps are priced at the repeat's speed."""
     cfg = OmegaConf.load(rep_dir / "config.yaml")
     cfg.pop("hydra", None)
     spec = parse(cfg)
     rows = read_jsonl(rep_dir / "requests.jsonl")
     arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
                       key=lambda a: a.arrival_s)
-    costs = from_profile(profile or profile_for(spec), spec.transfer.backend, calibrated, serving)
+    path = profile or profile_for(spec)
+    costs = from_profile(path, spec.transfer.backend, calibrated, serving)
+    calibration_speed = dict(costs.speed)
+    run_speed = probe_speed(_metrics(rep_dir).get("speed_probe"), raw_model(path)) if use_speed else None
+    if run_speed is not None and calibration_speed:     # the factors hold at the profile's speed
+        costs.speed = run_speed
     s, n = spec.slo, spec.cluster.num_workers
     real = metric_values(summarize(rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target))
     runs = []
@@ -69,11 +81,19 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
         runs.append(metric_values(summarize(sim_rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target)))
     simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
     return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
-                             "run_other_cores": _machine(rep_dir).get("other_cores")}
+                             "run_other_cores": _machine(rep_dir).get("other_cores"),
+                             "run_speed": run_speed, "calibration_speed": calibration_speed or None,
+                             "speed_used": costs.speed or None}
+
+
+def raw_model(profile: Path):
+    """The profile's fitted step model alone (no serving calibration): what probe_speed compares with."""
+    step = json.loads(Path(profile).read_text())["step_model"]
+    return LinearStepModel(step["coef"], terms=step.get("terms"))
 
 
 def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
-             calibration: Path | None = None) -> dict:
+             calibration: Path | None = None, use_speed: bool = True) -> dict:
     points = [p for p in find_points(run_dir) if p.metrics is not None]
     if not points:
         raise ValueError(f"no completed point under {run_dir}")
@@ -84,14 +104,15 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         serving = recalibrate(calibration, profile, points[0])
     results = []
     for p in points:
-        reps = [replay(d, profile, calibrated, SEEDS, serving) for d in p.repeats]
+        reps = [replay(d, profile, calibrated, SEEDS, serving, use_speed) for d in p.repeats]
         real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
         sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
         err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
         load = [((m.get("machine") or {}).get("load_1m_end")) for m in [p.metrics]]
         results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
                         "repeats": len(reps), "real": real, "sim": sim, "error": err,
-                        "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0]})
+                        "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
+                        "speed": _speeds([c["speed_used"] for _, _, c in reps])})
     return {"points": results}
 
 
@@ -102,7 +123,6 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     """The serving calibration of the profile, redone from the real run at run_dir."""
     from experiments.analysis.calibrate import calibrate
     from experiments.sim.backend import profile_for
-    from experiments.sim.stepmodel import LinearStepModel
 
     if profile is None:
         cfg = OmegaConf.load(point.repeats[0] / "config.yaml")
@@ -112,6 +132,12 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     step = prof["step_model"]
     cal = calibrate([Path(run_dir)], LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms")))
     return cal | {"source": f"recalibrated from {run_dir}"}
+
+
+def _speeds(per_repeat: list) -> dict | None:
+    """The median over repeats of the speed each was simulated at, per step kind."""
+    got = [x for x in per_repeat if x]
+    return {k: statistics.median(x.get(k, 1.0) for x in got) for k in ("decode", "prefill")} if got else None
 
 
 def _median(xs):
@@ -141,6 +167,14 @@ def print_table(result: dict) -> None:
         load = m.get("load_1m_end_max", m.get("load_1m_end"))
         print(f"== {p['label']} ({p['repeats']} repeat(s); real run's 1-min load up to "
               f"{'n/a' if load is None else f'{load:.1f}'} on {m.get('cores', '?')} cores) ==")
+        c, sp = p["costs"], p["speed"]
+        if sp and c.get("run_speed"):
+            cal = c["calibration_speed"]
+            print(f"steps priced at this run's speed probe: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
+                  f"the profile (the calibration's: {cal['decode']:.2f}x, {cal['prefill']:.2f}x)")
+        elif sp:
+            print(f"steps priced at the calibration's speed: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
+                  f"the profile (no speed probe in this run{'' if c.get('run_speed') is None else ' used'})")
         print(f"{'metric':<12} {'real':>10} {'simulated':>10} {'error':>8}  target")
         for k in TARGETS_KEYS:
             r, s, e = p["real"][k], p["sim"][k], p["error"][k]
@@ -169,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
     ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
     ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="price steps at the calibration's speed, not at the speed probe of each repeat")
     args = ap.parse_args(argv)
     try:
-        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration)
+        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, not args.no_speed)
     except (ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -210,6 +210,8 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["machine"] = usage(before, after) | {"workers_share_cores": p.shared is not None, "shared_cores": p.shared}
     metrics["repeat"], metrics["point"] = repeat, ident
     metrics["isolation"] = pool.isolation
+    if pool.speed is not None:
+        metrics["speed_probe"] = pool.speed
     metrics["clocks"] = router.clock_report()
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]

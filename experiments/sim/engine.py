@@ -102,6 +102,7 @@ class SimEngine:
         self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
         self.last_prompt = 0                   # that step's prompt tokens
         self.place = "0"                       # its order among its host's workers (the model's by_place key)
+        self.speed: dict = {}                  # {kind: x}: the machine's speed, steps take x times longer
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -150,7 +151,7 @@ class SimEngine:
         kind = "prefill" if sched.prefills else "decode"
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d *= self.model.idle_factor(kind, idle_s)
-        d *= self.contention(kind, beside) * self.place_factor(kind)
+        d *= self.contention(kind, beside) * self.own_factor(kind)
         if in_transfer:
             d *= self.transfer_factor(kind)
         echo = self._echo()
@@ -170,9 +171,11 @@ class SimEngine:
         `beside` ("decode" or "prefill"; None: none has work, 1.0)."""
         return beside_factor(getattr(self.model, "contention", None), kind, beside)
 
-    def place_factor(self, kind: str) -> float:
-        """How much longer a step of `kind` takes on the worker at this place of its host (1.0 unmeasured)."""
-        return float(((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(self.place, 1.0))
+    def own_factor(self, kind: str) -> float:
+        """How much longer a step of `kind` takes on this worker: at its place on its host (by_place),
+        at the machine's speed (`speed`); 1.0 for what is not measured."""
+        place = ((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(self.place, 1.0)
+        return float(place) * self.speed.get(kind, 1.0)
 
     def transfer_factor(self, kind: str) -> float:
         """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""
@@ -282,7 +285,7 @@ class SimEngine:
         d = self.model.decode_run(b, int(computed.sum()), k)
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d[0] *= self.model.idle_factor("decode", idle_s)
-        d *= self.contention("decode", beside) * self.place_factor("decode")
+        d *= self.contention("decode", beside) * self.own_factor("decode")
         echo, k0 = self._echo(), self.since_prefill
         if echo and k0 < len(echo):
             j = min(k, len(echo) - k0)

@@ -104,6 +104,7 @@ class Simulator(KVTransfers):
                     "max_model_len": cfg.max_model_len}
             engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
             engine.place = str(places.get(nodes[rank], 0))
+            engine.speed = costs.speed
             places[nodes[rank]] = places.get(nodes[rank], 0) + 1
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
