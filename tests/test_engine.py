@@ -99,6 +99,27 @@ def test_take_trace_drains_the_records_and_numbering_goes_on(tiny):
     assert engine.num_preempted == sum(s.num_preempted for s in taken) > 0
 
 
+def test_the_speed_probe_leaves_the_engine_as_it_found_it(tiny):
+    """The probe (workers/probe.py) times its steps on the engine a worker serves with, before its
+    first request: afterwards every block is free, no step is on record, and requests come out token
+    for token as from an engine never probed; a busy engine is refused."""
+    from workers.probe import speed_probe
+
+    prompts = random_prompts(3, tiny.cfg.vocab_size, [40, 33, 57], seed=7)
+    want = run_colocated(tiny, prompts, 12, token_budget=64)
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=256, token_budget=64))
+    got = speed_probe(engine, rounds=3)
+    assert got["decode_s"] > 0 and got["prefill_s"] > 0 and got["rounds"] == 3
+    assert (got["context"], got["prompt_tokens"]) == (256, 64)
+    assert engine.blocks.num_free == 256 and not engine.trace and engine.num_steps == 0
+    reqs = [engine.add_request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    engine.run()
+    assert [r.output_ids for r in reqs] == want
+    engine.add_request("busy", prompts[0], greedy(4))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        speed_probe(engine)
+
+
 def test_block_manager_refcounts():
     bm = BlockManager(num_blocks=6, block_size=4)
     a, b = [], []

@@ -429,6 +429,39 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
 
 
+def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):
+    """--against OTHER_RUN puts a second run of the same requests where the simulator goes (the floor
+    of any simulator's error on a machine that varies): two runs that came out alike meet every target
+    with zero error; a run of other requests is refused, naming the point."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    profile = next((ROOT / "profiles").glob("*/tiny-float32-1t.json"))
+
+    def run(name, *overrides):
+        proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={profile}",
+                               "workload.num_requests=20", "report=false", f"hydra.run.dir={tmp_path / name}",
+                               *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return tmp_path / name
+
+    a, b, other = run("a"), run("b"), run("c", "seed=3")
+
+    def validate(*args):
+        return subprocess.run([sys.executable, "-m", "experiments.validate", *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = validate(a, "--against", b)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "51 of 51 met" in proc.stdout and "not simulated" in proc.stdout
+    assert set(json.loads(proc.stdout.strip().splitlines()[-1])["errors"].values()) == {0.0}
+    proc = validate(a, "--against", other)
+    assert proc.returncode == 2 and "point '1p1d'" in proc.stderr and "same requests" in proc.stderr
+
+
 def test_chunk_and_context_pairs_are_priced_apart():
     """A chunk's attention pairs within itself and against the cache have coefficients of their own (a
     profile before the split, six coefficients, prices both alike)."""

@@ -87,6 +87,16 @@ def test_a_worker_s_steps_take_the_factor_of_its_place_on_the_host():
     assert ms(b.token_times()) == pytest.approx([5.5, 7.7])
 
 
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_steps_take_the_machine_s_speed(fast_forward):
+    # at a speed probe's 2x for decode steps and 1.5x for prompts: the 100-token prompt [0, 3.0] ms
+    # (2.0 as modelled), each decode 2.2 ms (1.1)
+    c = dataclasses.replace(costs(), speed={"decode": 2.0, "prefill": 1.5})
+    rec, = Simulator(colocated(policy="prefill_first", budget=4096, fast_forward=fast_forward), c).run(
+        [Arrival("a", 0.0, 100, 4)])
+    assert ms(rec.token_times()) == pytest.approx([3.0, 5.2, 7.4, 9.6])
+
+
 def test_place_factors_price_each_place_and_leave_the_residual_alike():
     from experiments.analysis.calibrate import place_factors
 
@@ -212,6 +222,42 @@ def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_pa
     handoff = cal["handoff"]["zmq"]
     assert handoff["latency_s"] == pytest.approx(e0 + t["latency_s"], rel=0.05)
     assert 1 / handoff["bandwidth"] == pytest.approx(e1 + 1 / t["bandwidth"], rel=0.05)
+
+
+def test_calibration_reads_each_repeat_at_the_speed_its_probe_measured(tmp_path):
+    """A run simulated 1.25x slower than the profile in every step (the machine slower that day) reads,
+    calibrated, as a 1.25x slowdown; with each repeat's speed probe saying so (metrics.json), the
+    same steps read at the profile's speed: no slowdown, the after_prefill factors it was given, and
+    the speed kept for the simulator."""
+    from experiments.analysis.calibrate import probe_speed
+    from experiments.sim.stepmodel import chunk_features
+
+    prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
+    prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "slowdown": None, "noise": None,
+                       "handoff": {}, "after_prefill": [1.4, 1.2], "speed": {"decode": 1.25, "prefill": 1.25}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={path}",
+                           "workload.num_requests=40", "report=false", f"hydra.run.dir={run}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = model_from_dict(prof["step_model"] | {"gap_coef": prof["gap"]["gap_coef"]})
+    slow = calibrate([run], model)
+    assert slow["slowdown"]["ratio"] == pytest.approx([1.25] * len(slow["slowdown"]["ratio"]), rel=0.02)
+    assert slow["speed"] is None
+    probe = {"decode_s": 1.25 * model.time(chunk_features(1, 256, [])),
+             "prefill_s": 1.25 * model.time(chunk_features(0, 0, [(64, 0, True)])), "context": 256,
+             "prompt_tokens": 64, "rounds": 8}
+    for m in run.glob("**/rep*/metrics.json"):
+        d = json.loads(m.read_text())
+        m.write_text(json.dumps(d | {"speed_probe": {"a worker": probe}}))
+    assert probe_speed({"w": probe}, model) == pytest.approx({"decode": 1.25, "prefill": 1.25})
+    cal = calibrate([run], model)
+    assert cal["slowdown"]["ratio"] == pytest.approx([1.0] * len(cal["slowdown"]["ratio"]), rel=0.02)
+    assert cal["after_prefill"][:2] == pytest.approx([1.4, 1.2], rel=0.05)
+    assert cal["speed"] == pytest.approx({"decode": 1.25, "prefill": 1.25})
+    assert cal["num"]["probed_repeats"] == len(list(run.glob("**/rep*/metrics.json"))) >= 3
 
 
 def test_the_handoff_fit_prices_the_time_its_sender_steps_beside_it():

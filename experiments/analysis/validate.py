@@ -74,7 +74,7 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     if run_speed is not None and calibration_speed:     # the factors hold at the profile's speed
         costs.speed = run_speed
     s, n = spec.slo, spec.cluster.num_workers
-    real = metric_values(summarize(rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target))
+    real = real_values(rep_dir)
     runs = []
     for seed in range(seeds if costs.noise else 1):
         sim_rows, _ = outputs(simulate(spec, arrivals, costs, record_steps=False, noise_seed=spec.seed + seed))
@@ -86,6 +86,32 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
                              "speed_used": costs.speed or None}
 
 
+def real_values(rep_dir: Path) -> dict:
+    """The metrics of one real repeat, as validate compares them."""
+    cfg = OmegaConf.load(rep_dir / "config.yaml")
+    cfg.pop("hydra", None)
+    s, n = parse(cfg).slo, parse(cfg).cluster.num_workers
+    return metric_values(summarize(read_jsonl(rep_dir / "requests.jsonl"), s.ttft_ms, s.tpot_ms, n, s.attainment_target))
+
+
+def _requests(rep_dir: Path) -> list[tuple]:
+    return sorted((r["id"], r["prompt_len"], r["max_tokens"]) for r in read_jsonl(rep_dir / "requests.jsonl"))
+
+
+def against_real(p, other: Path) -> tuple[list[dict], dict]:
+    """The values of point p's counterpart in another real run of the same requests (a repeat of the
+    experiment), in the simulator's place: how close this machine comes to itself."""
+    label = p.info.get("label")
+    match = [q for q in find_points(other) if q.rel == p.rel and q.metrics is not None and q.info.get("label") == label]
+    if not match:
+        raise ValueError(f"--against {other}: no completed point {p.rel!r} ({label}) there")
+    q = match[0]
+    if len(q.repeats) != len(p.repeats) or any(_requests(a) != _requests(b) for a, b in zip(p.repeats, q.repeats)):
+        raise ValueError(f"--against {other}: point {p.rel!r} did not serve the same requests (ids, prompt "
+                         f"and output lengths) in the same number of repeats")
+    return [real_values(d) for d in q.repeats], {"source": f"the real run {other}", "seeds": 0}
+
+
 def raw_model(profile: Path):
     """The profile's fitted step model alone (no serving calibration): what probe_speed compares with."""
     step = json.loads(Path(profile).read_text())["step_model"]
@@ -93,7 +119,7 @@ def raw_model(profile: Path):
 
 
 def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
-             calibration: Path | None = None, use_speed: bool = True) -> dict:
+             calibration: Path | None = None, use_speed: bool = True, against: Path | None = None) -> dict:
     points = [p for p in find_points(run_dir) if p.metrics is not None]
     if not points:
         raise ValueError(f"no completed point under {run_dir}")
@@ -104,7 +130,11 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         serving = recalibrate(calibration, profile, points[0])
     results = []
     for p in points:
-        reps = [replay(d, profile, calibrated, SEEDS, serving, use_speed) for d in p.repeats]
+        if against is not None:
+            values, detail = against_real(p, against)
+            reps = [(real_values(d), v, detail | {"speed_used": None}) for d, v in zip(p.repeats, values)]
+        else:
+            reps = [replay(d, profile, calibrated, SEEDS, serving, use_speed) for d in p.repeats]
         real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
         sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
         err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
@@ -175,7 +205,8 @@ def print_table(result: dict) -> None:
         elif sp:
             print(f"steps priced at the calibration's speed: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
                   f"the profile (no speed probe in this run{'' if c.get('run_speed') is None else ' used'})")
-        print(f"{'metric':<12} {'real':>10} {'simulated':>10} {'error':>8}  target")
+        other = "other run" if c.get("seeds") == 0 else "simulated"
+        print(f"{'metric':<12} {'real':>10} {other:>10} {'error':>8}  target")
         for k in TARGETS_KEYS:
             r, s, e = p["real"][k], p["sim"][k], p["error"][k]
             unit = "req/s" if k == "goodput" else "ms"
@@ -183,6 +214,9 @@ def print_table(result: dict) -> None:
             ok = "" if e is None else ("met" if abs(e) <= target(k) else "MISSED")
             print(f"{k:<12} {_fmt(r):>10} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}  {unit}")
     c = result["points"][0]["costs"]
+    if c.get("seeds") == 0:
+        print(f"compared with {c['source']}, not simulated")
+        return
     fe = c.get("fit_error") or {}
     print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
           f"{fe.get('p90_abs', float('nan')):.1%}; {c.get('seeds')} noise seed(s) per repeat")
@@ -203,11 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
     ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
     ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
+    ap.add_argument("--against", type=Path, metavar="OTHER_RUN",
+                    help="compare with another real run of the same requests instead of the simulator: "
+                         "how far the machine is from itself, the floor of any simulator's error here")
     ap.add_argument("--no-speed", action="store_true",
                     help="price steps at the calibration's speed, not at the speed probe of each repeat")
     args = ap.parse_args(argv)
     try:
-        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, not args.no_speed)
+        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, not args.no_speed,
+                          args.against)
     except (ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
