@@ -432,23 +432,26 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
 def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):
     """--against OTHER_RUN puts a second run of the same requests where the simulator goes (the floor
     of any simulator's error on a machine that varies): two runs that came out alike meet every target
-    with zero error; a run of other requests is refused, naming the point."""
+    with zero error; a run in which one request was another length is refused, naming the point."""
     import json
+    import shutil
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
     profile = next((ROOT / "profiles").glob("*/tiny-float32-1t.json"))
-
-    def run(name, *overrides):
-        proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={profile}",
-                               "workload.num_requests=20", "report=false", f"hydra.run.dir={tmp_path / name}",
-                               *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return tmp_path / name
-
-    a, b, other = run("a"), run("b"), run("c", "seed=3")
+    a, b, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={profile}",
+                           "workload.num_requests=20", "report=false", f"hydra.run.dir={a}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.copytree(a, b)
+    shutil.copytree(a, other)
+    rows = (other / "1p1d" / "rep1" / "requests.jsonl").read_text().splitlines()
+    first = json.loads(rows[0])
+    rows[0] = json.dumps(first | {"prompt_len": first["prompt_len"] + 1})
+    (other / "1p1d" / "rep1" / "requests.jsonl").write_text("\n".join(rows) + "\n")
 
     def validate(*args):
         return subprocess.run([sys.executable, "-m", "experiments.validate", *map(str, args)], cwd=ROOT,
