@@ -48,10 +48,10 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     (read at the start, contention had left 1.14x here);
 - by_place: what is left, per step kind, by the worker's place on its host (place_factors);
 - speed: where the run's workers timed the speed probe before each repeat (workers/probe.py), how many
-  times the profile's time its steps took (probe_speed; the median over repeats). Every step above is
-  read at its repeat's speed (its time divided by it), so the factors hold at the profile's speed and
-  the simulator multiplies them by the speed of the run it replays (experiments.validate) or, with
-  none, by this one;
+  times the profile's time its steps took (probe_speed), the median over repeats. Every step above is
+  read at that speed (its time times speed / its repeat's), so the factors hold for the calibration's
+  median speed, and the simulator takes a run's speed / this one as a factor on every step
+  (experiments.validate);
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (step_states.drift_fit): how that residual carries from one step of a worker to its next ones (rank
@@ -134,13 +134,14 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     steps_seen = {"decode": [], "prefill": []}
     places = {"decode": [], "prefill": []}          # the place on its host of each step's worker
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
-    speeds = []                         # each probed repeat's speed (probe_speed)
-    for rep, (ident, rows, steps) in enumerate(x for d in run_dirs for x in _repeats(Path(d))):
+    repeats = [x for d in run_dirs for x in _repeats(Path(d))]
+    speeds = [x for x in (probe_speed(ident["speed_probe"], model) for ident, _, _ in repeats) if x is not None]
+    speed = {k: statistics.median(x[k] for x in speeds) for k in ("decode", "prefill")} if speeds else None
+    for rep, (ident, rows, steps) in enumerate(repeats):
         workers = by_worker(steps)
-        speed = probe_speed(ident["speed_probe"], model)
-        if speed is not None:
-            speeds.append(speed)
-        at = speed or {"decode": 1.0, "prefill": 1.0}       # steps are read at the speed the probe says
+        mine = probe_speed(ident["speed_probe"], model)
+        # each repeat's steps read at the calibration's median speed (its own where it has no probe)
+        at = {k: mine[k] / speed[k] for k in speed} if mine and speed else {"decode": 1.0, "prefill": 1.0}
         overlap, in_transfer = overlaps(workers, ident["hosts"]), transfer_steps(workers, rows)
         if ident["machine"].get("other_cores") is not None:
             others.append(ident["machine"]["other_cores"])
@@ -206,7 +207,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "by_place": by_place,
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
-            "speed": {k: statistics.median(x[k] for x in speeds) for k in ("decode", "prefill")} if speeds else None,
+            "speed": speed,
             "handoff": handoff_fits(handoffs, per_bin),
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
                     "quiet_gaps": len(quiet_gaps), "probed_repeats": len(speeds),

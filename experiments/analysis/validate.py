@@ -69,10 +69,10 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
                       key=lambda a: a.arrival_s)
     path = profile or profile_for(spec)
     costs = from_profile(path, spec.transfer.backend, calibrated, serving)
-    calibration_speed = dict(costs.speed)
-    run_speed = probe_speed(_metrics(rep_dir).get("speed_probe"), raw_model(path)) if use_speed else None
-    if run_speed is not None and calibration_speed:     # the factors hold at the profile's speed
-        costs.speed = run_speed
+    calibration_speed = costs.detail.get("calibration_speed")
+    run_speed = probe_speed(_metrics(rep_dir).get("speed_probe"), raw_model(path))
+    if use_speed and run_speed is not None and calibration_speed:     # the factors hold at the calibration's speed
+        costs.speed = {k: run_speed[k] / calibration_speed[k] for k in calibration_speed}
     s, n = spec.slo, spec.cluster.num_workers
     real = real_values(rep_dir)
     runs = []
@@ -82,8 +82,7 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
     return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
                              "run_other_cores": _machine(rep_dir).get("other_cores"),
-                             "run_speed": run_speed, "calibration_speed": calibration_speed or None,
-                             "speed_used": costs.speed or None}
+                             "run_speed": run_speed, "speed_used": costs.speed or None}
 
 
 def real_values(rep_dir: Path) -> dict:
@@ -142,7 +141,8 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
                         "repeats": len(reps), "real": real, "sim": sim, "error": err,
                         "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
-                        "speed": _speeds([c["speed_used"] for _, _, c in reps])})
+                        "speed": _speeds([c["speed_used"] for _, _, c in reps]),
+                        "run_speed": _speeds([c.get("run_speed") for _, _, c in reps])})
     return {"points": results}
 
 
@@ -197,14 +197,16 @@ def print_table(result: dict) -> None:
         load = m.get("load_1m_end_max", m.get("load_1m_end"))
         print(f"== {p['label']} ({p['repeats']} repeat(s); real run's 1-min load up to "
               f"{'n/a' if load is None else f'{load:.1f}'} on {m.get('cores', '?')} cores) ==")
-        c, sp = p["costs"], p["speed"]
-        if sp and c.get("run_speed"):
-            cal = c["calibration_speed"]
+        c, sp, run = p["costs"], p["speed"], p["run_speed"]
+        cal = c.get("calibration_speed")
+        if sp:
             print(f"steps priced at this run's speed probe: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
-                  f"the profile (the calibration's: {cal['decode']:.2f}x, {cal['prefill']:.2f}x)")
-        elif sp:
-            print(f"steps priced at the calibration's speed: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
-                  f"the profile (no speed probe in this run{'' if c.get('run_speed') is None else ' used'})")
+                  f"the calibration's (probe / profile: run {run['decode']:.2f}x, {run['prefill']:.2f}x; "
+                  f"calibration {cal['decode']:.2f}x, {cal['prefill']:.2f}x)")
+        elif c.get("seeds"):
+            why = ("no speed probe in the calibration" if cal is None else "no speed probe in this run"
+                   if run is None else "--no-speed")
+            print(f"steps priced at the calibration's speed ({why})")
         other = "other run" if c.get("seeds") == 0 else "simulated"
         print(f"{'metric':<12} {'real':>10} {other:>10} {'error':>8}  target")
         for k in TARGETS_KEYS:

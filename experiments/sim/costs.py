@@ -38,8 +38,8 @@ class Costs:
     noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
     role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
     handoff_busy: float = 1.0                      # a KV send goes this much slower while its sender steps
-    speed: dict = field(default_factory=dict)      # {"decode": x, "prefill": y}: steps take x, y times the
-                                                   # model's (the speed probe's reading; none: 1.0)
+    speed: dict = field(default_factory=dict)      # {"decode": x, "prefill": y}: steps take x, y times longer
+                                                   # (a run's speed probe / the calibration's; none: 1.0)
 
     def step_for(self, role: str):
         return self.role_step.get(role, self.step)
@@ -96,8 +96,9 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
                  f"profile {path.parent.name}/{path.name}" + ("" if serving else " (uncalibrated)"),
                  {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
                   "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
-                  "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores")},
-                 noise, role_step, (served or {}).get("busy", 1.0), dict(serving.get("speed") or {}))
+                  "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores"),
+                  "calibration_speed": serving.get("speed")},
+                 noise, role_step, (served or {}).get("busy", 1.0))
 
 
 def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:
