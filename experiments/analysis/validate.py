@@ -9,7 +9,11 @@ point and metric (TTFT, TPOT, ITL, E2EL: mean, p50, p90, p99; goodput): real, si
 (simulated - real) / real; then the conditions (the real run's machine load, the profile's fit error,
 and the CPU other processes used during the calibration and during the run). On a shared machine
 the calibration holds for the load it was made at: `--calibration DIR` recalibrates the profile's
-serving part from another real run (one made beside the run validated, never the run itself). The
+serving part from another real run (one made beside the run validated, never the run itself). Where
+the repeat's workers timed the speed probe (workers/probe.py) and the calibration's did too, the
+repeat's steps are priced at its probe / the calibration's (--no-speed: at the calibration's).
+`--against OTHER_RUN` puts a second real run of the same requests in the simulator's place: how far
+this machine is from itself, the floor of any simulator's error here. The
 last line is JSON: {"errors": {"ttft_mean": ..., ...}, "max_abs_error": ...}, with keys "<metric>" for
 a run of one point and "<point>/<metric>" for several.
 """
