@@ -284,6 +284,10 @@ def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path,
         info = {"label": name, "mode": mode, "num_gpus": 2, "rate": 4.0, "workload": "code", "round_robin": 2}
         for i in range(3):
             write_repeat(run / name / f"rep{i}", i, ttft + 5 * i, point=info)
+    for i in range(3):                       # fast's repeats ran on a machine slowing down: its probes say so
+        m = run / "fast" / f"rep{i}" / "metrics.json"
+        probe = {"decode_s": 2e-3 + 5e-4 * i, "prefill_s": 5e-3, "context": 256, "prompt_tokens": 64, "rounds": 8}
+        m.write_text(json.dumps(json.loads(m.read_text()) | {"speed_probe": {"w0": probe, "w1": probe}}))
     aggregate.write(run / "fast")            # "slow" was cut short before its aggregate: the report makes it
     assert report.main([str(run)]) == 0
     assert not (run / "slow" / "metrics.json").exists(), "the report reads the run, it does not rewrite it"
@@ -300,3 +304,4 @@ def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path,
     assert_png(run / "comparison.png") and assert_png(run / "itl_cdf.png")
     assert "every timeline has the same y-scale" in md
     assert "A mixed step of fast took 3.00x [" in md       # the repeats' step ratios: 2, 3 and 4
+    assert "| 2.00-3.00 / 5.00 |" in md and "| n/a |" in md     # the speed probe's range; slow had none

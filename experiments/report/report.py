@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.serving import compare
+from experiments.serving.aggregate import probe_range
 from experiments.serving.machine import load_warning
 from experiments.report.points import Point, find_points, label_points, natural, short, swept, what_varies  # noqa: F401
 from experiments.serving.steps import num
@@ -35,7 +36,7 @@ INTERVALS = (("ITL p99 ms", "itl_ms.p99", 1, 1), ("TTFT p50 ms", "ttft_ms.p50", 
              ("mixed/decode step", "step_ratio.ratio", 2, 1))
 MACHINE = (("point", "label", None), ("cores", "cores", None), ("load 1-min max", "load", 1),
            ("other processes, cores", "other", 2), ("steal %", "steal", 1, 100), ("ours, cores", "ours", 2),
-           ("warning", "warning", None))
+           ("speed probe: decode / prompt step, ms", "probe", None), ("warning", "warning", None))
 
 
 def fmt(x, digits: int = 1, scale: float = 1) -> str:
@@ -194,11 +195,26 @@ def machine(r: Report, ok: list[Point]) -> None:
                      "other": m.get("other_cores_max", m.get("other_cores")),
                      "steal": m.get("steal_share_max", m.get("steal_share")),
                      "ours": m.get("ours_cores_max", m.get("ours_cores")),
+                     "probe": probe_text((p.metrics or {}).get("speed_probe")),
                      "warning": "; ".join(w.split(": ", 1)[1] for w in warnings([p])) or "none"})
     if rows:
         r.md += ["## The machine while each point ran\n", "The worst repeat of each point: the 1-minute load "
                  "average at start and end, CPU used by other processes and stolen by the hypervisor, and ours "
-                 "(the driver, Ray and the workers).\n", table(MACHINE, rows)]
+                 "(the driver, Ray and the workers); and the range over its repeats of the speed probe, the same "
+                 "decode step and prompt chunk timed on each worker before the repeat (workers/probe.py): points "
+                 "whose probes differ ran on a machine of different speed.\n", table(MACHINE, rows)]
+
+
+def probe_text(probe: dict | None) -> str:
+    """A point's speed probe range (aggregate.probe_range), or a one-repeat point's probes, as text."""
+    if probe and "decode_ms" not in probe:        # a single repeat's {worker: probe}
+        probe = probe_range([probe])
+    if not probe:
+        return "n/a"
+    def span(lo_hi):
+        lo, hi = lo_hi
+        return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
+    return f"{span(probe['decode_ms'])} / {span(probe['prefill_ms'])}"
 
 
 def build_report(directory: Path | str, out: Path | str | None = None) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 from experiments.serving.confidence import across_repeats, replicates
@@ -72,8 +73,25 @@ def aggregate(point_dir: Path, limit: int | None = None) -> dict | None:
     out.pop("repeat", None)
     out["point"] = done[0][2].get("point", {})
     out["machine"] = combine([m.get("machine") or {} for _, _, m in done])
+    if probes := probe_range([m.get("speed_probe") for _, _, m in done]):
+        out["speed_probe"] = probes
     out["repeats"] = summary
     return out
+
+
+def probe_range(per_repeat: list[dict | None]) -> dict | None:
+    """{"decode_ms": [min, max], "prefill_ms": [min, max]} over repeats of the median over each repeat's
+    workers of its speed probe steps (workers/probe.py): how fast the machine was across the point's
+    repeats. None where no repeat probed."""
+    meds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for probes in per_repeat:
+        ok = [r for r in (probes or {}).values() if r.get("decode_s") and r.get("prefill_s")]
+        for kind in meds:
+            if ok:
+                meds[kind].append(1e3 * statistics.median(r[f"{kind}_s"] for r in ok))
+    if not meds["decode"]:
+        return None
+    return {f"{kind}_ms": [min(v), max(v)] for kind, v in meds.items()}
 
 
 def write(point_dir: Path, limit: int | None = None) -> dict | None:
