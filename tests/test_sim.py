@@ -448,10 +448,11 @@ def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs
     assert proc.returncode == 0, proc.stderr[-2000:]
     shutil.copytree(a, b)
     shutil.copytree(a, other)
-    rows = (other / "1p1d" / "rep1" / "requests.jsonl").read_text().splitlines()
+    changed = sorted((other / "1p1d").glob("rep*"))[-1] / "requests.jsonl"
+    rows = changed.read_text().splitlines()
     first = json.loads(rows[0])
     rows[0] = json.dumps(first | {"prompt_len": first["prompt_len"] + 1})
-    (other / "1p1d" / "rep1" / "requests.jsonl").write_text("\n".join(rows) + "\n")
+    changed.write_text("\n".join(rows) + "\n")
 
     def validate(*args):
         return subprocess.run([sys.executable, "-m", "experiments.validate", *map(str, args)], cwd=ROOT,
