@@ -55,6 +55,13 @@ def _metrics(rep_dir: Path) -> dict:
         return {}
 
 
+def _spec(rep_dir: Path):
+    """The RunSpec a repeat was served with (its config.yaml)."""
+    cfg = OmegaConf.load(rep_dir / "config.yaml")
+    cfg.pop("hydra", None)
+    return parse(cfg)
+
+
 def _machine(rep_dir: Path) -> dict:
     return _metrics(rep_dir).get("machine") or {}
 
@@ -65,9 +72,7 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     value of each metric is its median over `seeds` simulations with different noise draws (one run's
     draws move a tail as much as the machine does). With `use_speed`, where the repeat's workers
     timed the speed probe and the calibration did too, steps are priced at the repeat's speed."""
-    cfg = OmegaConf.load(rep_dir / "config.yaml")
-    cfg.pop("hydra", None)
-    spec = parse(cfg)
+    spec = _spec(rep_dir)
     rows = read_jsonl(rep_dir / "requests.jsonl")
     arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
                       key=lambda a: a.arrival_s)
@@ -91,9 +96,8 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
 
 def real_values(rep_dir: Path) -> dict:
     """The metrics of one real repeat, as validate compares them."""
-    cfg = OmegaConf.load(rep_dir / "config.yaml")
-    cfg.pop("hydra", None)
-    s, n = parse(cfg).slo, parse(cfg).cluster.num_workers
+    spec = _spec(rep_dir)
+    s, n = spec.slo, spec.cluster.num_workers
     return metric_values(summarize(read_jsonl(rep_dir / "requests.jsonl"), s.ttft_ms, s.tpot_ms, n, s.attainment_target))
 
 
