@@ -151,9 +151,7 @@ class WorkerPool:
     def _isolate(self, cpus: float, driver_node: str) -> None:
         """Pin each worker to cores of its own on its node (what is free of other pools of this driver),
         the driver to the cores left; record it in `self.isolation` and warn when workers share cores."""
-        by_node: dict[str, list[WorkerHandle]] = {}
-        for w in self.workers:
-            by_node.setdefault(w.info["node_id"], []).append(w)
+        by_node = self._by_node()
         plans, reasons = [], []
         for node, ws in by_node.items():
             cores = ws[0].info["node_cores"]
@@ -187,12 +185,17 @@ class WorkerPool:
         elif driver is None:
             log.info("the driver shares the workers' cores: no core is left over for it")
 
+    def _by_node(self) -> dict[str, list[WorkerHandle]]:
+        """The workers of each node, in rank order."""
+        out: dict[str, list[WorkerHandle]] = {}
+        for w in self.workers:
+            out.setdefault(w.info["node_id"], []).append(w)
+        return out
+
     def _probe(self) -> None:
         """Each worker's speed probe, workers of one node one after another (so none is timed beside
         another's probe), nodes at once."""
-        by_node: dict[str, list[WorkerHandle]] = {}
-        for w in self.workers:
-            by_node.setdefault(w.info["node_id"], []).append(w)
+        by_node = self._by_node()
         self.speed = {}
         for place in range(max(map(len, by_node.values()))):
             ws = [ws[place] for ws in by_node.values() if place < len(ws)]

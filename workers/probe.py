@@ -65,3 +65,8 @@ def speed_probe(engine, rounds: int = ROUNDS) -> dict:
         blocks.free(chunk.block_ids)
     return {"decode_s": statistics.median(times["decode"]), "prefill_s": statistics.median(times["prefill"]),
             "context": context, "prompt_tokens": prompt, "rounds": rounds}
+
+
+def usable(probes: dict | None) -> list[dict]:
+    """The results that timed both steps among {worker: speed_probe result} (a failed one holds an error)."""
+    return [r for r in (probes or {}).values() if r.get("decode_s") and r.get("prefill_s")]

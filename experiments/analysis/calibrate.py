@@ -85,6 +85,7 @@ from experiments.serving.aggregate import read_jsonl
 from experiments.sim.engine import NEVER
 from experiments.sim.noise import quantiles
 from experiments.sim.stepmodel import chunk_features
+from workers.probe import usable
 
 
 def _repeats(run_dir: Path):
@@ -220,7 +221,7 @@ def probe_speed(probes: dict | None, model) -> dict | None:
     """{"decode": x, "prefill": y}: how many times the profile's time the speed probe's steps took
     (workers/probe.py; the median over a repeat's workers), from metrics.json's speed_probe; None
     where no worker probed."""
-    ok = [r for r in (probes or {}).values() if r.get("decode_s") and r.get("prefill_s")]
+    ok = usable(probes)
     if not ok:
         return None
     return {"decode": statistics.median(r["decode_s"] / model.time(chunk_features(1, r["context"], [])) for r in ok),

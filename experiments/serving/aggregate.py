@@ -16,6 +16,7 @@ from pathlib import Path
 
 from experiments.serving.confidence import across_repeats, replicates
 from experiments.serving.machine import combine
+from workers.probe import usable
 
 REPEAT = re.compile(r"^rep(\d+)$")
 
@@ -85,7 +86,7 @@ def probe_range(per_repeat: list[dict | None]) -> dict | None:
     repeats. None where no repeat probed."""
     meds: dict[str, list[float]] = {"decode": [], "prefill": []}
     for probes in per_repeat:
-        ok = [r for r in (probes or {}).values() if r.get("decode_s") and r.get("prefill_s")]
+        ok = usable(probes)
         for kind in meds:
             if ok:
                 meds[kind].append(1e3 * statistics.median(r[f"{kind}_s"] for r in ok))
