@@ -48,10 +48,10 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     (read at the start, contention had left 1.14x here);
 - by_place: what is left, per step kind, by the worker's place on its host (place_factors);
 - speed: where the run's workers timed the speed probe before each repeat (workers/probe.py), how many
-  times the profile's time its steps took (probe_speed), the median over repeats. Every step above is
-  read at that speed (its time times speed / its repeat's), so the factors hold for the calibration's
-  median speed, and the simulator takes a run's speed / this one as a factor on every step
-  (experiments.validate);
+  times the profile's time its steps took, the median over every probe of the run (run_speed; over
+  runs, the median of theirs). Every step above is read at that speed (its time times speed / its
+  run's), so the factors hold for the calibration's speed, and the simulator takes a run's speed /
+  this one as a factor on every step (experiments.validate);
 - noise: the quantiles of what is left (measured / everything modelled, decode-only and prefill apart)
   and of the gaps and latencies (experiments/sim/noise.py), for the simulator to draw from; and
   drift (step_states.drift_fit): how that residual carries from one step of a worker to its next ones (rank
@@ -135,13 +135,14 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
     steps_seen = {"decode": [], "prefill": []}
     places = {"decode": [], "prefill": []}          # the place on its host of each step's worker
     decode_at = []                      # (repeat, worker, start) of each decode step, for the drift
-    repeats = [x for d in run_dirs for x in _repeats(Path(d))]
-    speeds = [x for x in (probe_speed(ident["speed_probe"], model) for ident, _, _ in repeats) if x is not None]
-    speed = {k: statistics.median(x[k] for x in speeds) for k in ("decode", "prefill")} if speeds else None
-    for rep, (ident, rows, steps) in enumerate(repeats):
+    repeats = [(d, x) for d in run_dirs for x in _repeats(Path(d))]
+    speeds = {d: run_speed(repeat_dirs(Path(d)), model) for d in run_dirs}
+    known = [x for x in speeds.values() if x is not None]
+    speed = {k: statistics.median(x[k] for x in known) for k in ("decode", "prefill")} if known else None
+    for rep, (run_dir, (ident, rows, steps)) in enumerate(repeats):
         workers = by_worker(steps)
-        mine = probe_speed(ident["speed_probe"], model)
-        # each repeat's steps read at the calibration's median speed (its own where it has no probe)
+        mine = speeds[run_dir]
+        # each run's steps read at the calibration's median speed (its own where it has no probe)
         at = {k: mine[k] / speed[k] for k in speed} if mine and speed else {"decode": 1.0, "prefill": 1.0}
         overlap, in_transfer = overlaps(workers, ident["hosts"]), transfer_steps(workers, rows)
         if ident["machine"].get("other_cores") is not None:
@@ -211,22 +212,36 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "speed": speed,
             "handoff": handoff_fits(handoffs, per_bin),
             "num": {"returns": len(returns), "idle_arrivals": len(queues), "gaps": len(gaps),
-                    "quiet_gaps": len(quiet_gaps), "probed_repeats": len(speeds),
+                    "quiet_gaps": len(quiet_gaps), "probed_runs": len(known),
                     "decode_steps": len(steps_seen["decode"]),
                     "prefill_steps": len(steps_seen["prefill"]),
                     **factors["num"]}}
 
 
-def probe_speed(probes: dict | None, model) -> dict | None:
+def probe_speed(probes: list[dict], model) -> dict | None:
     """{"decode": x, "prefill": y}: how many times the profile's time the speed probe's steps took
-    (workers/probe.py; the median over a repeat's workers), from metrics.json's speed_probe; None
-    where no worker probed."""
-    ok = usable(probes)
+    (workers/probe.py), the median over the given probe results; None where there are none."""
+    ok = [r for r in probes if r.get("decode_s") and r.get("prefill_s")]
     if not ok:
         return None
     return {"decode": statistics.median(r["decode_s"] / model.time(chunk_features(1, r["context"], [])) for r in ok),
             "prefill": statistics.median(r["prefill_s"] / model.time(chunk_features(0, 0, [(r["prompt_tokens"], 0, True)]))
                                          for r in ok)}
+
+
+def run_speed(repeat_dirs: list[Path], model) -> dict | None:
+    """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model).
+    One repeat's probes are too few to tell a repeat's speed from the next one's, while the run's
+    median tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
+    probes = []
+    for d in repeat_dirs:
+        probes += usable(_read(Path(d) / "metrics.json").get("speed_probe"))
+    return probe_speed(probes, model)
+
+
+def repeat_dirs(run_dir: Path) -> list[Path]:
+    """Every repeat of every point under run_dir."""
+    return [d for point in find_points(run_dir) for d in point.repeats]
 
 
 def place_factors(residual: dict, places: dict, per_bin: int) -> tuple[dict | None, dict]:

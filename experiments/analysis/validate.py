@@ -10,8 +10,8 @@ point and metric (TTFT, TPOT, ITL, E2EL: mean, p50, p90, p99; goodput): real, si
 and the CPU other processes used during the calibration and during the run). On a shared machine
 the calibration holds for the load it was made at: `--calibration DIR` recalibrates the profile's
 serving part from another real run (one made beside the run validated, never the run itself). Where
-the repeat's workers timed the speed probe (workers/probe.py) and the calibration's did too, the
-repeat's steps are priced at its probe / the calibration's (--no-speed: at the calibration's).
+the run's workers timed the speed probe (workers/probe.py) and the calibration's did too, its
+steps are priced at the run's probe / the calibration's (--no-speed: at the calibration's).
 `--against OTHER_RUN` puts a second real run of the same requests in the simulator's place: how far
 this machine is from itself, the floor of any simulator's error here. The
 last line is JSON: {"errors": {"ttft_mean": ..., ...}, "max_abs_error": ...}, with keys "<metric>" for
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.analysis.calibrate import probe_speed
+from experiments.analysis.calibrate import run_speed
 from experiments.config import parse
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
@@ -67,11 +67,11 @@ def _machine(rep_dir: Path) -> dict:
 
 
 def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
-           seeds: int = SEEDS, serving: dict | None = None, use_speed: bool = True) -> tuple[dict, dict, dict]:
+           seeds: int = SEEDS, serving: dict | None = None, speed: dict | None = None) -> tuple[dict, dict, dict]:
     """(real metrics, simulated metrics, the simulation's costs detail) of one repeat; the simulated
     value of each metric is its median over `seeds` simulations with different noise draws (one run's
-    draws move a tail as much as the machine does). With `use_speed`, where the repeat's workers
-    timed the speed probe and the calibration did too, steps are priced at the repeat's speed."""
+    draws move a tail as much as the machine does). `speed` is the run's speed probe (run_speed): where
+    the calibration has one too, steps are priced at that speed / the calibration's."""
     spec = _spec(rep_dir)
     rows = read_jsonl(rep_dir / "requests.jsonl")
     arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
@@ -79,9 +79,8 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     path = profile or profile_for(spec)
     costs = from_profile(path, spec.transfer.backend, calibrated, serving)
     calibration_speed = costs.detail.get("calibration_speed")
-    run_speed = probe_speed(_metrics(rep_dir).get("speed_probe"), raw_model(path))
-    if use_speed and run_speed is not None and calibration_speed:     # the factors hold at the calibration's speed
-        costs.speed = {k: run_speed[k] / calibration_speed[k] for k in calibration_speed}
+    if speed is not None and calibration_speed:     # the factors hold at the calibration's speed
+        costs.speed = {k: speed[k] / calibration_speed[k] for k in calibration_speed}
     s, n = spec.slo, spec.cluster.num_workers
     real = real_values(rep_dir)
     runs = []
@@ -91,7 +90,7 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
     return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
                              "run_other_cores": _machine(rep_dir).get("other_cores"),
-                             "run_speed": run_speed, "speed_used": costs.speed or None}
+                             "run_speed": speed, "speed_used": costs.speed or None}
 
 
 def real_values(rep_dir: Path) -> dict:
@@ -135,13 +134,20 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         if Path(calibration).resolve() == Path(run_dir).resolve():
             raise ValueError("--calibration must be another run than the one validated")
         serving = recalibrate(calibration, profile, points[0])
+    groups: dict[Path, list] = {}
+    for p in points:
+        groups.setdefault(Path(profile or profile_for(_spec(p.repeats[0]))), []).append(p)
+    speed_of = {}                       # the run's speed, over the repeats of the points of one profile
+    for path, ps in groups.items():
+        speed = run_speed([d for p in ps for d in p.repeats], raw_model(path)) if use_speed else None
+        speed_of.update({p.rel: speed for p in ps})
     results = []
     for p in points:
         if against is not None:
             values, detail = against_real(p, against)
             reps = [(real_values(d), v, detail | {"speed_used": None}) for d, v in zip(p.repeats, values)]
         else:
-            reps = [replay(d, profile, calibrated, SEEDS, serving, use_speed) for d in p.repeats]
+            reps = [replay(d, profile, calibrated, SEEDS, serving, speed_of[p.rel]) for d in p.repeats]
         real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
         sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
         err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare with another real run of the same requests instead of the simulator: "
                          "how far the machine is from itself, the floor of any simulator's error here")
     ap.add_argument("--no-speed", action="store_true",
-                    help="price steps at the calibration's speed, not at the speed probe of each repeat")
+                    help="price steps at the calibration's speed, not at the run's speed probe")
     args = ap.parse_args(argv)
     try:
         result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, not args.no_speed,
