@@ -5,7 +5,7 @@ For each repeat of each run: the probe's decode reading (workers/probe.py: its d
 profile's time for it, the median over the repeat's workers) beside the median serving decode step
 in no serving state the calibration prices (decode-only, 8 or more steps after the worker's last
 prompt tokens, not from idle) / the profile's time for it. Printed per run (the medians over its
-probes and its repeats) and over every repeat: how steady serving / probe is. The run-level
+probes and its repeats; then per point) and over every repeat: how steady serving / probe is. The run-level
 reading is what experiments/analysis/calibrate.py and experiments.validate use (run_speed).
 """
 from __future__ import annotations
@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['run']}: probe {run_probe:.3f}x the profile (repeats {min(x['probe'] for x in reps):.3f}-"
               f"{max(x['probe'] for x in reps):.3f}), serving decode {serve:.3f}x (repeats "
               f"{min(x['serving'] for x in reps):.3f}-{max(x['serving'] for x in reps):.3f}): serving / probe {serve / run_probe:.3f}")
+        points: dict[str, list] = {}
+        for x in reps:
+            points.setdefault(str(Path(x["repeat"]).parent), []).append(x)
+        print("  by point, serving decode (probe): " + ", ".join(
+            f"{name} {statistics.median(x['serving'] for x in xs):.3f}x ({statistics.median(x['probe'] for x in xs):.3f}x)"
+            for name, xs in sorted(points.items())))
     if every:
         p10, p90 = np.percentile(every, [10, 90])
         print(f"per repeat, serving / probe: median {statistics.median(every):.3f}, p10-p90 {p10:.3f}-{p90:.3f}, "
