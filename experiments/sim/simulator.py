@@ -8,7 +8,8 @@ retries of a request whose worker died or whose KV transfer was lost (its prompt
 already streamed, up to router.max_retries; two crashes and it fails), request timeouts. Faults:
 fault.kill_worker at fault.kill_after_s, fault.timeout_transfer_of (that handoff's KV is never
 sent; the router retries it after transfer.timeout_s).
-KV handoffs (sending, link contention, their arrival) are in experiments/sim/handoff.py.
+KV handoffs (sending, link contention, their arrival) are in experiments/sim/handoff.py, each
+worker's step loop (inbox, steps and decode runs, contention on its host) in experiments/sim/steps.py.
 
 Token times are as router/records.py keeps them: when the step that made a token ended (the
 simulated workers share the router's clock), and when it reached the router (`client_*`, `return_s`
@@ -26,14 +27,13 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.handoff import KVTransfers
 from experiments.sim.noise import Noise
 from experiments.sim.records import Attempt, Record
+from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
@@ -41,7 +41,7 @@ from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import why_not_retry
-from workers.config import EngineConfig, blocks_for
+from workers.config import EngineConfig
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Arrival:
     max_tokens: int
 
 
-class Simulator(KVTransfers):
+class Simulator(KVTransfers, WorkerSteps):
     def __init__(self, cfg: SimConfig, costs: Costs):
         self.cfg, self.costs = cfg, costs
         self.mode = cfg.mode
@@ -292,194 +292,6 @@ class Simulator(KVTransfers):
         if reason == "length":
             rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
             self._finish(att, reason)
-
-    # -- workers ------------------------------------------------------------------------------------
-    def _deliver(self, w: SimWorker, item: tuple) -> None:
-        if not w.alive:
-            return
-        w.inbox.append(item)
-        self._wake(w)
-
-    def _wake(self, w: SimWorker) -> None:
-        if w.state == "idle":
-            w.state, w.after_idle = "start", True
-            self._busy(w, True)
-            self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
-        elif w.state == "run":
-            self._cut(w)
-
-    def _cut(self, w: SimWorker) -> None:
-        """End w's decode run after the step scheduled before now: the rest is scheduled afresh."""
-        m = w.engine.cut_after(w.run, self.now)
-        if m < w.run_steps:
-            w.run_steps = m
-            w.version += 1
-            self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
-
-    def _busy(self, w: SimWorker, busy: bool, prefill: bool = False) -> None:
-        """w gets work, starts a step (`prefill`: with prompt tokens) or goes idle. Each other busy
-        worker of the host whose contention that changes (HostLoad.beside) runs the rest of its step in
-        flight at the new rate (its remaining time scaled by new / old factor), and its decode run is
-        cut after that step, so the steps after it are timed in the new state."""
-        for o in self.hosts.mark(w, busy, prefill):
-            if o.state not in ("run", "step"):
-                continue
-            kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
-            c = o.engine.contention(kind, self.hosts.beside(o))
-            if c == o.step_c:
-                continue
-            if o.state == "run":
-                self._cut(o)
-            start, end = o.in_flight()
-            if end > self.now:
-                end = self.now + (end - max(self.now, start)) * c / o.step_c + max(0.0, start - self.now)
-                o.version += 1
-                o.move_end(end)
-                self.push(end, self._run_end if o.state == "run" else self._step_end, o, o.version)
-            o.step_c = c
-
-    def _idle(self, w: SimWorker) -> None:
-        w.state = "idle"
-        self._busy(w, False)
-
-    def _take_inbox(self, w: SimWorker) -> None:
-        e = w.engine
-        for kind, x in w.inbox:
-            if kind == "submit":
-                ecfg = e.cfg
-                total = x.prompt_len + 1 if x.hand_off else x.prompt_len + x.max_tokens
-                if blocks_for(total, ecfg.block_size) > e.blocks.num_blocks:
-                    self.push(self.now + self.costs.return_s, self._rejected, x.attempt, w,
-                              f"needs {blocks_for(total, ecfg.block_size)} KV blocks but this engine's pool has "
-                              f"{e.blocks.num_blocks}")
-                    continue
-                e.add(x)
-            elif kind == "abort":
-                if x.block_ids or x in e.scheduler.running or x in e.scheduler.waiting:
-                    e.remove(x)
-                w.arrivals = type(w.arrivals)(a for a in w.arrivals if a.dreq is not x)
-            else:                                   # "kv": an attempt whose KV is in
-                w.arrivals.append(x)
-        w.inbox.clear()
-
-    def _rejected(self, att: Attempt, w: SimWorker, reason: str) -> None:
-        if att.live:
-            self._drop(att)
-            self._fail(att.rec, f"rejected by {w.name}: {reason}")
-
-    def _step_start(self, w: SimWorker, version: int) -> None:
-        if version != w.version or not w.alive:
-            return
-        t = self.now
-        e = w.engine
-        # As calibrate reads a real worker's steps: a step that left nothing running or waiting in
-        # the scheduler starts the next one from idle, however soon that one comes (requests that
-        # arrived meanwhile sat in the worker's inbox, not in its scheduler).
-        w.after_idle = w.after_idle or not e.has_work()
-        self._take_inbox(w)
-        while w.arrivals and e.can_import(w.arrivals[0].prompt_len):
-            att = w.arrivals.popleft()
-            if not att.live:
-                continue
-            t += self.costs.import_s(att.nbytes)
-            e.add_imported(att.dreq)
-            att.imported = True
-        if not e.has_work():
-            self._idle(w)
-            return
-        if w.sending:
-            self._sender_steps(w, t)
-        k = e.run_length()
-        idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
-        beside = self.hosts.beside(w)
-        if k >= 1:
-            run = e.start_run(t, k, idle_s, beside, w.transfer[1] if w.transfer[0] <= t else 0.0)
-            w.step_c = e.contention("decode", beside)
-            w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
-            self.in_run.add(w)
-            self.push(float(run.ends[-1]), self._run_end, w, w.version)
-            self._busy(w, True, prefill=False)
-            return
-        sched, d = e.schedule(idle_s, beside, w.transfer[0] <= t < w.transfer[1], t)
-        if not sched:
-            self._idle(w)                           # nothing it can schedule until something changes
-            return
-        w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
-        w.step_c = e.contention("prefill" if sched.prefills else "decode", beside)
-        self.push(t + d, self._step_end, w, w.version)
-        self._busy(w, True, prefill=bool(sched.prefills))
-
-    def _step_end(self, w: SimWorker, version: int) -> None:
-        if version != w.version or not w.alive:
-            return
-        sched, start, end = w.sched, w.step_start, self.now
-        w.last_end = end
-        done = w.engine.finish(sched, start, end)
-        w.log_step(start, end, sched, len(done.preempted))
-        stream = self.cfg.stream != "off"
-        exports = []
-        t = end
-        last_chunk = {id(c.request): c.num_tokens for c in sched.prefills}
-        for req, reason in done.tokens:
-            if reason == "handoff":
-                if not stream:
-                    t += self.costs.export_s(req.attempt.nbytes)
-                exports.append((req, t, last_chunk.get(id(req), req.prompt_len)))
-        at = self._delivery(w, t)
-        for req, reason in done.tokens:
-            self._on_token(req, reason, start, end, at)
-        for req, ready, last in exports:
-            self._send_kv(w, req, ready, last)
-        w.sched = None
-        self._next(w, t, len(sched.decodes) + len(sched.prefills), not done.tokens)
-
-    def _run_end(self, w: SimWorker, version: int) -> None:
-        if version != w.version or not w.alive:
-            return
-        run, m = w.run, w.run_steps
-        entry = w.log_run(run, m)
-        out = w.engine.apply_run(run, m)
-        if entry is not None:
-            entry["used"][-1] = w.engine.blocks.num_used
-            entry["running_last"] = len(w.engine.scheduler.running)
-        at = self._deliveries(w, run.ends[:m])
-        end = w.last_end = float(run.ends[m - 1])
-        b = len(run.reqs)
-        self.loads[w.rank].kv_tokens += b * m - w.run_tokens
-        w.run, w.run_tokens = None, 0
-        self.in_run.discard(w)
-        for req, reason in out:
-            att = req.attempt
-            if att is None or not att.live:
-                continue
-            att.rec.add_times(run.ends[:m], at, m)
-            att.num_tokens += m
-            if att.kind == "handoff" and att.decode_start is None:
-                att.decode_start = req.first_scheduled_time
-                att.rec.handoff_s = att.decode_start - att.first_token_worker_time
-            if reason == "length":
-                att.rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
-                self._finish(att, reason)
-        self._next(w, end, b)
-
-    def _delivery(self, w: SimWorker, t: float) -> float:
-        """When the router gets a step that left the worker at `t`: after the return latency, and not
-        before the worker's previous step (one ordered stream per worker)."""
-        w.delivered = max(t + self.noise.latency("return", self.costs.return_s), w.delivered)
-        return w.delivered
-
-    def _deliveries(self, w: SimWorker, ends: np.ndarray) -> np.ndarray:
-        at = np.maximum.accumulate(np.maximum(ends + self.noise.latencies("return", self.costs.return_s, len(ends)),
-                                              w.delivered))
-        w.delivered = float(at[-1])
-        return at
-
-    def _next(self, w: SimWorker, t: float, num_seqs: int, quiet: bool = False) -> None:
-        if w.engine.has_work() or w.inbox or w.arrivals:
-            w.state = "start"
-            self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
-        else:
-            self._idle(w)
 
     # -- faults -------------------------------------------------------------------------------------
     def _kill(self, w: SimWorker) -> None:
