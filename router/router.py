@@ -5,7 +5,8 @@ made (the end of the worker's step that sampled it, converted from the worker's 
 measured by min-RTT probes at start and every router.clock_sync_s, router/clock.py), and when it
 reached the router (what a client of the router sees; tokens of several steps that come back in one
 poll share it). TTFT, ITL and the other durations use the first; `arrival_times` keep the second.
-A watchdog thread times out lost transfers and overdue requests. All state is guarded by one lock.
+A watchdog thread times out lost transfers and overdue requests (the threads: router/threads.py).
+All state is guarded by one lock.
 
 Each try of a request is an *attempt* with its own id on the workers ("<router>:<n>"); events of a
 superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
@@ -31,16 +32,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import ray
-
 from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
-from router.clock import WorkerClock, best_probe
+from router.clock import WorkerClock
 from router.config import FaultConfig, RouterConfig
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from router.records import RequestRecord, StreamUpdate, why_not_retry
+from router.threads import RouterThreads
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
 
@@ -72,7 +72,7 @@ class Attempt:
         return "transfer" if self.kind == "handoff" and not self.imported else "decode"
 
 
-class Router:
+class Router(RouterThreads):
     def __init__(self, pool: WorkerPool, cfg: RouterConfig = RouterConfig(), transfer: TransferConfig = TransferConfig(),
                  faults: FaultConfig = FaultConfig(), clock=time.time):
         self.pool, self.cfg, self.transfer, self.faults, self.clock = pool, cfg, transfer, faults, clock
@@ -418,81 +418,3 @@ class Router:
         for att in list(self._attempts.values()):
             if att.decode is w and att.kind == "handoff" and not att.imported:
                 self._retry(att, f"{w.name} stopped receiving KV: {reason}")
-
-    # -- threads --------------------------------------------------------------------------------
-    def _spawn(self, target, *args, name: str) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _poll_loop(self, w: WorkerHandle) -> None:
-        limit = self.cfg.poll_timeout_s + self.cfg.liveness_timeout_s
-        while not self._stop.is_set() and w.alive:
-            try:
-                reply = ray.get(w.actor.poll.remote(self.cfg.poll_timeout_s), timeout=limit)
-            except ray.exceptions.GetTimeoutError:
-                with self._lock:
-                    self._on_dead(w, f"worker {w.name} did not answer within {limit:g} s "
-                                     "(router.liveness_timeout_s): frozen; killed")
-                self.pool.kill(w)               # so that it cannot come back half-alive
-                return
-            except ray.exceptions.RayError as e:
-                with self._lock:
-                    self._on_dead(w, f"worker {w.name} died ({type(e).__name__})")
-                return
-            now = self.clock()
-            if reply["events"]:
-                with self._lock:
-                    for ev in reply["events"]:
-                        try:
-                            self._on_event(w, ev, now)
-                        except Exception:   # a router bug must not silence this worker's stream
-                            log.exception("router error on %s event from %s", ev.get("kind"), w.name)
-
-    def _sync_clock(self, w: WorkerHandle, probes: int) -> None:
-        """One round of clock probes of `w`; its best goes to the worker's WorkerClock. A worker that
-        does not answer keeps its estimate (its poll loop finds out why)."""
-        answers = []
-        for _ in range(probes):
-            if not w.alive or self._stop.is_set():
-                break
-            t_send = self.clock()
-            try:
-                worker_time = ray.get(w.actor.clock.remote(), timeout=self.cfg.liveness_timeout_s)
-            except ray.exceptions.RayError:     # dead or frozen: the poll loop handles it
-                break
-            answers.append((t_send, worker_time, self.clock()))
-        if answers:
-            sample = best_probe(answers)
-            with self._lock:
-                self.clocks[w.rank].update(sample, self.clock())
-
-    def _clock_loop(self) -> None:
-        """Re-estimate every worker's clock offset every router.clock_sync_s (clocks of nodes drift)."""
-        while not self._stop.wait(self.cfg.clock_sync_s):
-            for w in self.pool.workers:
-                if w.alive:
-                    try:
-                        self._sync_clock(w, self.cfg.clock_probes)
-                    except Exception:        # a router bug must not stop the other workers' estimates
-                        log.exception("clock probe of %s failed", w.name)
-
-    def _watchdog(self) -> None:
-        while not self._stop.wait(0.05):
-            now = self.clock()
-            with self._lock:
-                for att in list(self._attempts.values()):
-                    if att.phase == "transfer" and not att.sent and now - att.handoff_at > self.transfer.timeout_s:
-                        self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
-                                         f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
-                for rec in self.records.values():
-                    if not rec.done and now - rec.arrival_s > self.cfg.request_timeout_s:
-                        for att in [a for a in self._attempts.values() if a.record is rec]:
-                            self._drop(att)
-                        self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.request_timeout_s:g}")
-
-    def _kill_victim(self) -> None:
-        log.warning("fault injection: killing %s", self._victim.name)
-        with self._lock:
-            self._killed.add(self._victim.rank)
-        self.pool.kill(self._victim)

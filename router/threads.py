@@ -1,0 +1,97 @@
+"""The router's threads: one long-poll loop per worker, clock probes, the watchdog, fault injection.
+
+A part of router/router.py's Router (a mixin: it uses the router's pool, config, clocks, lock and
+its event, drop, retry and failure handlers). A worker that does not answer its poll within
+poll_timeout_s + router.liveness_timeout_s counts as dead and is killed; a router error on one event
+is logged and does not silence that worker's stream.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from cluster.pool import WorkerHandle
+from router.clock import best_probe
+
+log = logging.getLogger(__name__)
+
+
+class RouterThreads:
+    def _spawn(self, target, *args, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _poll_loop(self, w: WorkerHandle) -> None:
+        limit = self.cfg.poll_timeout_s + self.cfg.liveness_timeout_s
+        while not self._stop.is_set() and w.alive:
+            try:
+                reply = ray.get(w.actor.poll.remote(self.cfg.poll_timeout_s), timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                with self._lock:
+                    self._on_dead(w, f"worker {w.name} did not answer within {limit:g} s "
+                                     "(router.liveness_timeout_s): frozen; killed")
+                self.pool.kill(w)               # so that it cannot come back half-alive
+                return
+            except ray.exceptions.RayError as e:
+                with self._lock:
+                    self._on_dead(w, f"worker {w.name} died ({type(e).__name__})")
+                return
+            now = self.clock()
+            if reply["events"]:
+                with self._lock:
+                    for ev in reply["events"]:
+                        try:
+                            self._on_event(w, ev, now)
+                        except Exception:   # a router bug must not silence this worker's stream
+                            log.exception("router error on %s event from %s", ev.get("kind"), w.name)
+
+    def _sync_clock(self, w: WorkerHandle, probes: int) -> None:
+        """One round of clock probes of `w`; its best goes to the worker's WorkerClock. A worker that
+        does not answer keeps its estimate (its poll loop finds out why)."""
+        answers = []
+        for _ in range(probes):
+            if not w.alive or self._stop.is_set():
+                break
+            t_send = self.clock()
+            try:
+                worker_time = ray.get(w.actor.clock.remote(), timeout=self.cfg.liveness_timeout_s)
+            except ray.exceptions.RayError:     # dead or frozen: the poll loop handles it
+                break
+            answers.append((t_send, worker_time, self.clock()))
+        if answers:
+            sample = best_probe(answers)
+            with self._lock:
+                self.clocks[w.rank].update(sample, self.clock())
+
+    def _clock_loop(self) -> None:
+        """Re-estimate every worker's clock offset every router.clock_sync_s (clocks of nodes drift)."""
+        while not self._stop.wait(self.cfg.clock_sync_s):
+            for w in self.pool.workers:
+                if w.alive:
+                    try:
+                        self._sync_clock(w, self.cfg.clock_probes)
+                    except Exception:        # a router bug must not stop the other workers' estimates
+                        log.exception("clock probe of %s failed", w.name)
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.05):
+            now = self.clock()
+            with self._lock:
+                for att in list(self._attempts.values()):
+                    if att.phase == "transfer" and not att.sent and now - att.handoff_at > self.transfer.timeout_s:
+                        self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
+                                         f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
+                for rec in self.records.values():
+                    if not rec.done and now - rec.arrival_s > self.cfg.request_timeout_s:
+                        for att in [a for a in self._attempts.values() if a.record is rec]:
+                            self._drop(att)
+                        self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.request_timeout_s:g}")
+
+    def _kill_victim(self) -> None:
+        log.warning("fault injection: killing %s", self._victim.name)
+        with self._lock:
+            self._killed.add(self._victim.rank)
+        self.pool.kill(self._victim)
