@@ -268,6 +268,11 @@ def test_calibration_reads_every_run_at_the_median_speed_of_its_probes(tmp_path)
     assert cal["slowdown"]["ratio"] == pytest.approx([1.25] * len(cal["slowdown"]["ratio"]), rel=0.02)
     assert spread(cal) < 1.05
     assert cal["num"]["probed_runs"] == 2
+    # probe_check reads the same: each repeat's probe as injected, its quiet decode steps at 1.5x
+    from experiments.analysis.probe_check import check
+    (slow,) = check([runs[1][0]], model)
+    assert sorted({round(x["probe"], 6) for x in slow["repeats"]}) == [1.2, 1.5, 1.8]
+    assert all(x["serving"] == pytest.approx(1.5, rel=0.02) for x in slow["repeats"])
 
 
 def test_the_handoff_fit_prices_the_time_its_sender_steps_beside_it():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.analysis.calibrate import _read, by_worker, probe_speed, repeat_dirs
+from experiments.analysis.calibrate import _read, by_worker, probe_speed, repeat_dirs, run_speed
 from experiments.analysis.step_states import after_idle, since_prefill
 from experiments.analysis.validate import raw_model
 from experiments.serving.aggregate import read_jsonl
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if not reps:
             print(f"{r['run']}: no repeat with both a probe and quiet decode steps")
             continue
-        run_probe = probe_speed([p for d in repeat_dirs(Path(r["run"]))
-                                 for p in usable(_read(d / "metrics.json").get("speed_probe"))], model)["decode"]
+        run_probe = run_speed(repeat_dirs(Path(r["run"])), model)["decode"]
         serve = statistics.median(x["serving"] for x in reps)
         every += [x["serving"] / x["probe"] for x in reps]
         print(f"{r['run']}: probe {run_probe:.3f}x the profile (repeats {min(x['probe'] for x in reps):.3f}-"
