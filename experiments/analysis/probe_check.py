@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.analysis.calibrate import _read, by_worker, probe_speed, repeat_dirs, run_speed
+from experiments.analysis.calibrate import by_worker, repeat_dirs, run_speed
 from experiments.analysis.step_states import after_idle, since_prefill
 from experiments.analysis.validate import raw_model
 from experiments.serving.aggregate import read_jsonl
 from experiments.sim.stepmodel import chunk_features
-from workers.probe import usable
 
 QUIET_AFTER = 8          # decode-only steps since the last prompt tokens before a step counts as quiet
 
@@ -47,7 +46,7 @@ def check(runs: list[Path], model) -> list[dict]:
     for run in runs:
         reps = []
         for d in repeat_dirs(run):
-            probe = probe_speed(usable(_read(d / "metrics.json").get("speed_probe")), model)
+            probe = run_speed([d], model)
             serve = serving_decode(read_jsonl(d / "steps.jsonl"), model)
             if probe and serve:
                 reps.append({"repeat": str(d.relative_to(run)), "probe": probe["decode"], "serving": serve})

@@ -90,7 +90,7 @@ def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
     simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
     return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
                              "run_other_cores": _machine(rep_dir).get("other_cores"),
-                             "run_speed": speed, "speed_used": costs.speed or None}
+                             "speed_used": costs.speed or None}
 
 
 def real_values(rep_dir: Path) -> dict:
@@ -139,7 +139,7 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         groups.setdefault(Path(profile or profile_for(_spec(p.repeats[0]))), []).append(p)
     speed_of = {}                       # the run's speed, over the repeats of the points of one profile
     for path, ps in groups.items():
-        speed = run_speed([d for p in ps for d in p.repeats], raw_model(path)) if use_speed else None
+        speed = run_speed([d for p in ps for d in p.repeats], raw_model(path)) if use_speed and against is None else None
         speed_of.update({p.rel: speed for p in ps})
     results = []
     for p in points:
@@ -155,8 +155,7 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
                         "repeats": len(reps), "real": real, "sim": sim, "error": err,
                         "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
-                        "speed": _speeds([c["speed_used"] for _, _, c in reps]),
-                        "run_speed": _speeds([c.get("run_speed") for _, _, c in reps])})
+                        "speed": reps[0][2]["speed_used"], "run_speed": speed_of[p.rel]})
     return {"points": results}
 
 
@@ -176,12 +175,6 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     step = prof["step_model"]
     cal = calibrate([Path(run_dir)], LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms")))
     return cal | {"source": f"recalibrated from {run_dir}"}
-
-
-def _speeds(per_repeat: list) -> dict | None:
-    """The median over repeats of the speed each was simulated at, per step kind."""
-    got = [x for x in per_repeat if x]
-    return {k: statistics.median(x.get(k, 1.0) for x in got) for k in ("decode", "prefill")} if got else None
 
 
 def _median(xs):
