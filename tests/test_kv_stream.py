@@ -119,3 +119,19 @@ def test_preempted_streaming_request_is_reset(tiny):
     again = [ev for ev in told[resets[0]:] if isinstance(ev, KVReady) and ev.request_id == rid]
     assert again and again[0].start == 0, "after a reset the request streams again from its first token"
     assert sum(ev.end - ev.start for ev in again) == 80, "and all of it"
+
+
+@pytest.mark.parametrize("mode", ["layer", "chunk"])
+def test_every_prompt_token_streams_once_even_a_lone_last_one(tiny, mode):
+    """A prompt of 25 tokens in a 24-token budget leaves its last token for a step of its own, where
+    the scheduler counts it with the decodes; its KV must stream all the same (it once did not, and
+    the decode worker refused the transfer as 4 KiB short)."""
+    prompts = random_prompts(2, tiny.cfg.vocab_size, [25, 49], seed=10)
+    _, first, told = stream_prefill(tiny, prompts, mode, token_budget=24)
+    assert sorted(first) == [0, 1]
+    for rid, prompt in enumerate(prompts):
+        for layer in range(tiny.cfg.num_layers):
+            spans = sorted((ev.start, ev.end) for ev in told
+                           if ev.request_id == rid and ev.first_layer <= layer < ev.end_layer)
+            covered = [t for s, e in spans for t in range(s, e)]
+            assert covered == list(range(len(prompt))), (rid, layer, spans)

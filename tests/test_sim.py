@@ -116,6 +116,7 @@ def test_a_calibrated_handoff_is_the_serving_fit_with_the_export_before_the_wire
     ("layer", "prefill_first", 4096, 0.525),  # only the last of 4 layers after the prefill: 0.5 + 0.025
     ("chunk", "prefill_first", 4096, 0.6),   # one chunk, the whole prompt: nothing overlaps
     ("chunk", "chunked", 64, 0.536),         # chunks of 64 and 36 tokens: the last 36% after the prefill
+    ("chunk", "chunked", 99, 0.501),         # 99 and a lone last token (scheduled as a "decode"): 1%
 ])
 def test_streamed_kv_exposes_only_what_the_prefill_does_not_hide(stream, policy, budget, exposed_ms):
     cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy=policy, token_budget=budget),
@@ -159,6 +160,19 @@ def test_decode_runs_give_the_scheduler_s_steps_and_preempt_when_blocks_run_out(
                       for s in step_rows("w", sim.workers[0].log)], [ms(r.token_times()) for r in recs]))
     assert logs[0] == logs[1]
     assert sum(s["num_preempted"] for s in logs[0][0]) > 0, "the pool is small enough to preempt"
+
+
+def test_a_lone_last_prompt_token_makes_the_first_token_in_a_step_of_its_own():
+    """A 33-token prompt in a 32-token budget leaves its last token alone, which the scheduler counts
+    as a decode: it still ends the prefill (TTFT, queue and prefill times), fast-forwarded or not."""
+    rows = []
+    for ff in (True, False):
+        rec, = Simulator(colocated(budget=32, fast_forward=ff), costs()).run([Arrival("a", 0.0, 33, 6)])
+        rows.append(request_row(rec))
+    for key in ("ttft_s", "queue_s", "prefill_s", "e2e_s"):
+        assert rows[0][key] == pytest.approx(rows[1][key], abs=1e-12), key
+    assert rows[0]["itl_s"] == pytest.approx(rows[1]["itl_s"], abs=1e-12)
+    assert rows[0]["prefill_s"] > 0 and len(rows[0]["itl_s"]) == 5
 
 
 def test_same_seed_same_simulation_other_seed_other_noise():

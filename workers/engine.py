@@ -186,11 +186,13 @@ class Engine:
         return taken
 
     def _kv_streams(self, sched) -> list[tuple[str, int, int]]:
-        """Prefill chunks whose KV streams out as it is computed: (request id, first token, tokens)."""
+        """Prompt chunks whose KV streams out as it is computed: (request id, first token, tokens).
+        Every chunk of a prompt, including a last token left alone for a step of its own, which the
+        scheduler counts with the decodes (`Request.is_prefill`)."""
         if self.cfg.kv_stream == "off" or self.kv_listener is None:
             return []
-        return [(c.request.id, c.request.num_computed_tokens, c.num_tokens) for c in sched.prefills
-                if c.request.hand_off]
+        return [(c.request.id, c.request.num_computed_tokens, c.num_tokens) for c in sched.chunks
+                if c.request.hand_off and c.request.num_computed_tokens < c.request.num_prompt_tokens]
 
     def _tell_kv(self, event, failed: dict[str, str]) -> None:
         """Hand a KV event to the listener; a listener that raises fails that request alone."""

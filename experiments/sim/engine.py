@@ -235,8 +235,8 @@ class SimEngine:
             return 0
         k = 1 << 62
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1:
-                return 0
+            if r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.prompt_len:
+                return 0       # (a lone last prompt token makes the first token: a step of its own)
             left = r.max_tokens - r.num_out
             if left < k:
                 k = left

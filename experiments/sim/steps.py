@@ -143,7 +143,7 @@ class WorkerSteps:
         stream = self.cfg.stream != "off"
         exports = []
         t = end
-        last_chunk = {id(c.request): c.num_tokens for c in sched.prefills}
+        last_chunk = {id(c.request): c.num_tokens for c in sched.chunks}   # a lone last prompt token is a 'decode'
         for req, reason in done.tokens:
             if reason == "handoff":
                 if not stream:
