@@ -97,6 +97,38 @@ def test_steps_take_the_machine_s_speed(fast_forward):
     assert ms(rec.token_times()) == pytest.approx([3.0, 5.2, 7.4, 9.6])
 
 
+def test_a_prompt_s_step_takes_the_factor_of_its_size_and_a_decode_none():
+    # prompts' steps 1.0x at 2 ms predicted, 0.5x at 8 ms: the 100-token prompt (2.0 ms) as modelled,
+    # a 400-token one (5.0 ms, halfway in log time: 0.75x) 3.75 ms; the decodes 1.1 ms, untouched
+    size = {"pred_s": [2 * MS, 8 * MS], "ratio": [1.0, 0.5]}
+    for prompt, first_ms in ((100, 2.0), (400, 5.0 * (1.0 - 0.5 * math.log(5 / 2) / math.log(4)))):
+        rec, = Simulator(colocated(policy="prefill_first", budget=4096),
+                         with_model(costs(), prefill_size=size)).run([Arrival("a", 0.0, prompt, 3)])
+        assert ms(rec.token_times()) == pytest.approx([first_ms, first_ms + 1.1, first_ms + 2.2], abs=1e-6)
+
+
+def test_the_size_curve_of_prompts_is_read_from_what_the_state_factors_leave():
+    """Prompt steps of 5-60 ms predicted, alone (no state), measured 1.0x up to 20 ms and falling to 0.9x
+    at 60 ms, with 5% noise: the curve recovers the fall (it never rises with size) and leaves the
+    residual flat."""
+    from experiments.analysis.step_states import State, state_factors
+    from experiments.sim.engine import NEVER
+
+    rng = np.random.default_rng(4)
+    plain = State(None, NEVER, 0.0, 0.0, False, "colocated", 0)
+    true = {"pred_s": [20 * MS, 60 * MS], "ratio": [1.0, 0.9]}
+    pred = np.exp(rng.uniform(math.log(5 * MS), math.log(60 * MS), 600))
+    prefill = [(p, p * curve_at(true, p) * math.exp(0.05 * rng.standard_normal()), plain) for p in pred]
+    decode = [(3 * MS, 3 * MS * math.exp(0.05 * rng.standard_normal()), plain) for _ in range(100)]
+    from experiments.sim.stepmodel import LinearStepModel
+    f = state_factors({"decode": decode, "prefill": prefill}, LinearStepModel([MS] * 7), per_bin=20)
+    size = f["prefill_size"]
+    assert all(a >= b for a, b in zip(size["ratio"], size["ratio"][1:])), "never rising"
+    assert curve_at(size, 55 * MS) / curve_at(size, 8 * MS) == pytest.approx(curve_at(true, 55 * MS), abs=0.03)
+    res, small = f["residual"]["prefill"], pred < 20 * MS
+    assert np.median(np.array(res)[~small]) == pytest.approx(np.median(np.array(res)[small]), rel=0.02)
+
+
 def test_place_factors_price_each_place_and_leave_the_residual_alike():
     from experiments.analysis.calibrate import place_factors
 
@@ -139,19 +171,21 @@ def test_a_step_after_one_that_left_the_scheduler_empty_starts_from_idle(b_arriv
     assert ms(b.token_times()) == pytest.approx([b_first_ms])
 
 
-@pytest.mark.parametrize("b_arrives_ms, a_transfer_ms", [(1.0, 1.2), (2.3, 0.9), (3.0, 0.6)])
-def test_a_kv_send_goes_the_busy_factor_slower_while_its_sender_steps(b_arrives_ms, a_transfer_ms):
+@pytest.mark.parametrize("b_arrives_ms, b_prompt, a_transfer_ms", [(1.0, 100, 1.2), (2.3, 100, 0.9), (3.0, 100, 0.6),
+                                                                  (1.0, 10, 1.15)])
+def test_a_kv_send_goes_the_busy_factor_slower_while_its_sender_steps(b_arrives_ms, b_prompt, a_transfer_ms):
     # A's prompt [0, 2.0], then its KV (100 x 1000 bytes over 0.5 ms + 1 GB/s: 0.6 ms) from 2.0. B
     # reached the prefill worker at 1 ms: it prefills B from 2.0 and A's KV takes 2x, 1.2 ms; at 2.3
-    # ms: its last 0.3 ms take 0.6, 0.9 ms in all; at 3 ms: A's KV was in at 2.6. B's, with nothing
-    # behind it, 0.6 ms
+    # ms: its last 0.3 ms take 0.6, 0.9 ms in all; at 3 ms: A's KV was in at 2.6. A 10-token B ends at
+    # 3.1, when A's KV has 0.05 ms to go at full speed: 1.15 ms. B's KV, with nothing behind it, at
+    # full speed
     cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
                                             "decode": EngineConfig(policy="chunked", token_budget=64)},
                     {"prefill": 100, "decode": 100}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
     c = dataclasses.replace(costs(), handoff_busy=2.0)
-    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 2), Arrival("b", b_arrives_ms * MS, 100, 2)])
+    a, b = Simulator(cfg, c).run([Arrival("a", 0.0, 100, 2), Arrival("b", b_arrives_ms * MS, b_prompt, 2)])
     assert request_row(a)["transfer_s"] == pytest.approx(a_transfer_ms * MS)
-    assert request_row(b)["transfer_s"] == pytest.approx(0.6 * MS)
+    assert request_row(b)["transfer_s"] == pytest.approx((0.5 + 0.001 * b_prompt) * MS)
     # A's second token: the decode step (1.1 ms) after its KV is in
     assert ms(a.token_times()) == pytest.approx([2.0, 2.0 + a_transfer_ms + 1.1])
 
@@ -276,17 +310,24 @@ def test_calibration_reads_every_run_at_the_median_speed_of_its_probes(tmp_path)
 
 
 def test_the_handoff_fit_prices_the_time_its_sender_steps_beside_it():
-    """Handoffs of 1 ms + bytes / 1 GB/s; those whose sender stepped from d on took d + (W - d) x 1.6,
-    whether it stepped at once or a few ms in. The fit recovers the link from the others and the 1.6x."""
-    from experiments.analysis.calibrate import handoff_fits
+    """Handoffs of 1 ms + bytes / 1 GB/s that go 1.6x slower while their sender steps, at full speed
+    otherwise: a quarter beside a step from 0.1 ms on that outlasts them, a quarter beside one of
+    0.4 W from 0.2 W on, half beside none. The fit recovers the link from the last and the 1.6x."""
+    from experiments.analysis.calibrate import busy_finish, handoff_fits
 
     rng = np.random.default_rng(3)
     pairs = []
     for i in range(200):
         b = float(rng.integers(1, 16)) * 1e6
         w = 1e-3 + b / 1e9
-        d = [0.1e-3, 0.4 * w, math.inf, math.inf][i % 4]      # a quarter at once, a quarter later, half never
-        pairs.append((b, w if d == math.inf else d + (w - d) * 1.6, d))
+        if i % 4 == 0:
+            steps, s = [(0.1e-3, 1.0)], 0.1e-3 + (w - 0.1e-3) * 1.6
+        elif i % 4 == 1:      # 0.2 W at full speed, 0.4 W of time for 0.25 W of work, 0.55 W at full speed
+            steps, s = [(0.2 * w, 0.6 * w)], 0.2 * w + 0.4 * w + (w - 0.2 * w - 0.4 * w / 1.6)
+        else:
+            steps, s = [], w
+        assert busy_finish(w, steps, 1.6) == pytest.approx(s)
+        pairs.append((b, s, steps))
     fit = handoff_fits({"zmq": pairs}, per_bin=20)["zmq"]
     assert fit["latency_s"] == pytest.approx(1e-3, rel=0.01) and fit["bandwidth"] == pytest.approx(1e9, rel=0.01)
     assert fit["busy"] == pytest.approx(1.6, rel=0.01) and fit["num_busy"] == 100

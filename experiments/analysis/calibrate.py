@@ -186,8 +186,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             if (ident.get("mode") == "disaggregated" and ident.get("stream") == "off" and r.get("transfer_bytes")
                     and (r.get("exposed_transfer_s") or 0) > 0):
                 handoffs.setdefault(ident.get("transfer") or "zmq", []).append(
-                    (r["transfer_bytes"], r["exposed_transfer_s"], sender_next(workers.get(r["prefill_worker"], []),
-                                                                               r["arrival_s"] + r["ttft_s"])))
+                    (r["transfer_bytes"], r["exposed_transfer_s"], sender_steps(workers.get(r["prefill_worker"], []),
+                                                                                r["arrival_s"] + r["ttft_s"])))
     if not returns or not steps_seen["decode"]:
         raise ValueError(f"no completed requests with client times, or no decode-only steps, to calibrate on in {list(map(str, run_dirs))}")
     factors = state_factors(steps_seen, model, per_bin)
@@ -206,6 +206,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "after_prefill": factors["after_prefill"], "after_prefill_by_size": factors["after_prefill_by_size"],
             "contention": factors["contention"],
             "after_idle_by_role": factors["after_idle_by_role"], "kv_transfer": factors["kv_transfer"],
+            "prefill_size": factors["prefill_size"],
             "by_place": by_place,
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,
@@ -271,44 +272,69 @@ def place_factors(residual: dict, places: dict, per_bin: int) -> tuple[dict | No
 
 
 def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
-    """Per transport, from (bytes, exposed seconds, seconds until the sender's next step) per measured
-    handoff: exposed = latency + bytes / bandwidth fitted over those whose sender did not step while it
-    ran (at least `per_bin`, at two sizes or more), its fit error; `busy`: how much slower a handoff
-    goes while its sender steps (its sender thread then shares the worker's core with the next
-    prompt). A handoff of fitted time W whose sender stepped from d on took d + (W - d) x busy, so
-    each one whose sender stepped in the first half of W gives busy = (measured - d) / (W - d), and
-    `busy` is their median (1.0 with fewer than `per_bin`): 1.64x in the calibration run of 21:48,
-    1.44x and 1.99x in runs of 21:44 and 21:46 (a handoff was as slow when its sender stepped 1-5
-    ms after it began as within 1 ms, which an earlier rule, busy only within 1 ms, left at 1x).
-    `noise`: the quantiles of measured / modelled, median 1, for the simulator's draws."""
+    """Per transport, from (bytes, exposed seconds, the sender's steps after it: sender_steps) per
+    measured handoff: exposed = latency + bytes / bandwidth fitted over those whose sender did not step
+    while it ran (at least `per_bin`, at two sizes or more), its fit error; `busy`: how much slower a
+    handoff goes while its sender steps (its sender thread then shares the worker's core with the next
+    prompt), at full speed between steps (busy_finish). A handoff of fitted time W that overlapped its
+    sender's steps for o of its measured s did W - (s - o) of its work in o, so each one that overlapped
+    them for a quarter of W or more gives busy = o / (W - s + o), and `busy` is their median (1.0 with
+    fewer than `per_bin`). Read from the first sender step on, for the whole rest (the rule before),
+    it was 1.47x in the calibration run of 01:45 and 1.31-1.86x in the nine runs after it; read for
+    the overlap alone, 1.62x and 1.50-2.17x (experiments.analysis.handoff_check). `noise`: the
+    quantiles of measured / modelled, median 1, for the simulator's draws."""
     from experiments.sim.transfer import fit_transfer
 
     out = {}
     for transport, pairs in handoffs.items():
-        quiet = [(b, s) for b, s, d in pairs if d >= s]
+        quiet = [(b, s) for b, s, steps in pairs if overlap(steps, s) == 0.0]
         if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
             quiet = [(b, s) for b, s, _ in pairs]
         if len(quiet) < per_bin or len({b for b, _ in quiet}) < 2:
             continue
         model, err = fit_transfer([b for b, _ in quiet], [s for _, s in quiet], f"{transport} (serving)")
-        busy = [(s - d) / (model.seconds(b) - d) for b, s, d in pairs if d < min(s, 0.5 * model.seconds(b))]
+        busy = []
+        for b, s, steps in pairs:
+            w, o = model.seconds(b), overlap(steps, s)
+            if o >= 0.25 * w and w - s + o > 0:
+                busy.append(o / (w - s + o))
         factor = statistics.median(busy) if len(busy) >= per_bin else 1.0
-
-        def modelled(b, s, d):
-            w = model.seconds(b)
-            return d + (w - d) * factor if d < min(s, w) else w
-
-        ratios = [s / modelled(b, s, d) for b, s, d in pairs]
+        ratios = [s / busy_finish(model.seconds(b), steps, factor) for b, s, steps in pairs]
         out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs), "busy": factor,
                                             "num_busy": len(busy), "noise": quantiles(ratios, normalise=True)}
     return out
 
 
-def sender_next(steps: list[dict], first_token: float) -> float:
-    """Seconds from the end of the step that made a request's first token to its prefill worker's next
-    step start (inf: none)."""
+def sender_steps(steps: list[dict], first_token: float, horizon_s: float = 1.0) -> list[tuple[float, float]]:
+    """(start, end) of a prefill worker's steps from the end of the step that made a request's first
+    token on, in seconds after it, for `horizon_s`."""
     i = bisect.bisect_left([s["start_s"] for s in steps], first_token)
-    return max(0.0, steps[i]["start_s"] - first_token) if i < len(steps) else math.inf
+    out = []
+    for s in steps[i:]:
+        if s["start_s"] - first_token > horizon_s:
+            break
+        out.append((s["start_s"] - first_token, s["end_s"] - first_token))
+    return out
+
+
+def overlap(steps: list[tuple[float, float]], t: float) -> float:
+    """Seconds of [0, t] inside the steps."""
+    return sum(max(0.0, min(b, t) - max(a, 0.0)) for a, b in steps)
+
+
+def busy_finish(work_s: float, steps: list[tuple[float, float]], busy: float) -> float:
+    """When a handoff of `work_s` at full speed ends, going `busy` times slower inside the steps."""
+    t, left = 0.0, work_s
+    for a, b in steps:
+        if a > t:
+            if left <= a - t:
+                return t + left
+            left, t = left - (a - t), a
+        if b > t:
+            if left <= (b - t) / busy:
+                return t + left * busy
+            left, t = left - (b - t) / busy, b
+    return t + left
 
 
 def token_steps(rows: list[dict], worker: str, ss: list[dict]) -> set[int]:

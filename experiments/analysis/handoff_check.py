@@ -7,7 +7,8 @@ serving handoff (latency + bytes / bandwidth, experiments/analysis/calibrate.py 
 the sender stepped beside (its next step started before the KV landed) are printed apart: measured / W,
 and the factor a send would go slower for the time it overlaps a sender step if it ran at full speed
 otherwise (overlap / (W - the time without overlap)). The calibration prices such handoffs by the
-median of its own run's; this says how that reading moves from run to run.
+median of its own run's (of those that overlapped a quarter of W or more); this says how that reading
+moves from run to run.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.analysis.calibrate import by_worker, repeat_dirs
+from experiments.analysis.calibrate import by_worker, overlap, repeat_dirs, sender_steps
 from experiments.serving.aggregate import read_jsonl
 
 
@@ -34,12 +35,11 @@ def handoffs(run: Path, latency_s: float, bandwidth: float) -> list[dict]:
             s, b = r.get("exposed_transfer_s"), r.get("transfer_bytes")
             if not (s and b and r.get("status") == "ok"):
                 continue
-            t0, w = r["arrival_s"] + r["ttft_s"], latency_s + b / bandwidth
-            overlap = sum(max(0.0, min(x["end_s"], t0 + s) - max(x["start_s"], t0))
-                          for x in workers.get(r["prefill_worker"], []))
-            rest = w - (s - overlap)
-            out.append({"bytes": b, "ratio": s / w, "overlap": overlap / s,
-                        "factor": overlap / rest if overlap > 0 and rest > 0 else None})
+            w = latency_s + b / bandwidth
+            o = overlap(sender_steps(workers.get(r["prefill_worker"], []), r["arrival_s"] + r["ttft_s"]), s)
+            rest = w - (s - o)
+            out.append({"bytes": b, "ratio": s / w, "overlap": o / s,
+                        "factor": o / rest if o > 0 and rest > 0 else None})
     return out
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     fit = json.loads(args.profile.read_text())["serving"]["handoff"][args.transport]
     print(f"W = {fit['latency_s'] * 1e3:.2f} ms + bytes / {fit['bandwidth'] / 1e6:.0f} MB/s; the profile's busy "
-          f"factor {fit.get('busy', 1.0):.2f} (a send of W whose sender stepped from d on takes d + (W - d) x busy)")
+          f"factor {fit.get('busy', 1.0):.2f} (a send goes that much slower while its sender steps)")
     for run in args.runs:
         hs = handoffs(run, fit["latency_s"], fit["bandwidth"])
         alone = [h["ratio"] for h in hs if not h["overlap"]]

@@ -57,8 +57,9 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     `per_bin` such steps of a kind (a prefill worker wakes to a whole prompt, a colocated one often to
     a chunk of one); `kv_transfer` (a KV transfer from or to the worker in flight: its threads send or
     receive it), per kind. Each is the median of measured / (curve x the factors already found) over
-    its steps (1.0 with fewer than `per_bin`), and `residual` is measured / everything modelled, what
-    the noise tables are made of."""
+    its steps (1.0 with fewer than `per_bin`). Last, `prefill_size`: what is left of the steps with
+    prompt tokens per bin of their predicted time (binned_curve), over its median (None with fewer
+    than 2 x `per_bin`). `residual` is measured / everything modelled, what the noise tables are made of."""
     plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v
                    if not (st.idle is not None or st.busy > ALONE or st.transfer or st.k < ECHO_STEPS))
     if len(plain) < per_bin:      # too few steps in no state at all: the curve over every step from busy
@@ -128,10 +129,21 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
                 for kind, v in ratios.items()}
     residual = {kind: [known(kind, x, st) / idled(kind, st) / (transfer[kind] if st.transfer else 1.0)
                        for x, st in v] for kind, v in ratios.items()}
+    # What is left of a prompt's step by its predicted time: one linear fit over every prompt size,
+    # and state factors read over all of them, leave the longest prompts slower in the model than
+    # served (their residual 0.87-0.95x the median above 45 ms predicted, in ten runs of 01:45-06:14).
+    prefill = [(p, r) for (p, _, _), r in zip(steps_seen["prefill"], residual["prefill"])]
+    size = None
+    if len(prefill) >= 2 * per_bin:
+        level = statistics.median(r for _, r in prefill)
+        xs, ys = rising_curve(sorted((p, -r) for p, r in prefill), per_bin)     # never rising
+        size = {"pred_s": xs, "ratio": [-y / level for y in ys]}
+        residual["prefill"] = [r / curve_at(size, p) for p, r in prefill]
     count = {kind: {"after_idle": sum(st.idle is not None for _, st in v), "contended": sum(st.busy >= 0.5 for _, st in v),
                     "transfer": sum(st.transfer for _, st in v)} for kind, v in ratios.items()}
     return {"slowdown": slowdown, "contention": contention, "after_prefill": echo, "after_prefill_by_size": by_size,
-            "after_idle": after, "after_idle_by_role": by_role, "kv_transfer": transfer, "residual": residual,
+            "after_idle": after, "after_idle_by_role": by_role, "kv_transfer": transfer, "prefill_size": size,
+            "residual": residual,
             "num": {f"{name}_steps": {kind: c[name] for kind, c in count.items()} for name in ("after_idle", "contended", "transfer")}
                    | {"after_prefill_steps": sum(st.k < ECHO_STEPS for _, st in ratios["decode"])}}
 
@@ -268,9 +280,26 @@ def slowdown_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list
 
 
 def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
+    """binned_curve's medians made non-decreasing, pooling adjacent bins that break it (isotonic
+    regression on medians)."""
+    out: list[list[float]] = []
+    for blk in _bins(pairs, per_bin):
+        out.append(blk)
+        while len(out) > 1 and out[-2][1] > out[-1][1]:
+            b2, b1 = out.pop(), out.pop()
+            w = b1[2] + b2[2]
+            out.append([(b1[0] * b1[2] + b2[0] * b2[2]) / w, (b1[1] * b1[2] + b2[1] * b2[2]) / w, w])
+    return [float(b[0]) for b in out], [float(b[1]) for b in out]
+
+
+def binned_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
     """(median x, median y) per bin of x over (x, y) pairs sorted by x: bins a factor of 1.25 wide,
-    merged with the next until they hold `per_bin` pairs (the last with the one before); the medians
-    then made non-decreasing, pooling adjacent bins that break it (isotonic regression on medians)."""
+    merged with the next until they hold `per_bin` pairs (the last with the one before)."""
+    blocks = _bins(pairs, per_bin)
+    return [float(b[0]) for b in blocks], [float(b[1]) for b in blocks]
+
+
+def _bins(pairs: list[tuple[float, float]], per_bin: int) -> list[list[float]]:
     bins, cur, edge = [], [], None
     for x, y in pairs:
         if edge is None:
@@ -284,12 +313,4 @@ def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[f
             bins[-1] += cur
         else:
             bins.append(cur)
-    blocks = [[statistics.median(x for x, _ in b), statistics.median(y for _, y in b), len(b)] for b in bins if b]
-    out: list[list[float]] = []
-    for blk in blocks:
-        out.append(blk)
-        while len(out) > 1 and out[-2][1] > out[-1][1]:
-            b2, b1 = out.pop(), out.pop()
-            w = b1[2] + b2[2]
-            out.append([(b1[0] * b1[2] + b2[0] * b2[2]) / w, (b1[1] * b1[2] + b2[1] * b2[2]) / w, w])
-    return [float(b[0]) for b in out], [float(b[1]) for b in out]
+    return [[statistics.median(x for x, _ in b), statistics.median(y for _, y in b), len(b)] for b in bins if b]

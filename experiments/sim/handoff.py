@@ -3,9 +3,9 @@
 A part of experiments/sim/simulator.py's Simulator (a mixin: it uses the simulator's clock, event
 heap, costs, noise and links). A send holds the sender's egress and the receiver's ingress
 (experiments/sim/transfer.py's Links), widens both workers' KV-transfer window (their steps
-meanwhile take the kv_transfer factor), and goes `costs.handoff_busy` slower from the moment its
-sender starts another step (its sender thread then shares the worker's core with it:
-experiments/analysis/calibrate.py's handoff fit); the KV's arrival goes to the decode worker's inbox.
+meanwhile take the kv_transfer factor), and goes `costs.handoff_busy` slower while its sender runs
+another step (its sender thread then shares the worker's core with it: experiments/analysis/calibrate.py's
+handoff fit); the KV's arrival goes to the decode worker's inbox.
 A transfer that never completes (fault.timeout_transfer_of) or runs past transfer.timeout_s is
 retried by the router.
 """
@@ -54,16 +54,22 @@ class KVTransfers:
         if done - att.handoff_at > timeout:
             self.push(att.handoff_at + timeout, self._transfer_check, att)
 
-    def _sender_steps(self, w: SimWorker, t: float) -> None:
-        """w starts a step at t: the KV it is still sending goes handoff_busy slower from then on (its
-        sender thread shares the worker's core with the step, as calibrate measures it)."""
+    def _sender_steps(self, w: SimWorker, t: float, end: float) -> None:
+        """w steps from t to `end`: the KV it is still sending goes handoff_busy slower meanwhile (its
+        sender thread shares the worker's core with the step, as calibrate measures it), at full speed
+        again after it."""
         c = self.costs.handoff_busy
+        left = []
         for att, start in w.sending:
             old = att.kv_due
             if not att.live or att.sent or old <= t:
                 continue
+            left.append((att, start))
             begin = max(t, start)
-            new = begin + (old - begin) * c
+            if begin >= end:
+                continue
+            rest = old - begin                        # at full speed
+            new = begin + rest * c if rest <= (end - begin) / c else end + rest - (end - begin) / c
             att.kv_due = new
             att.rec.transfer_s += new - old
             self.links.moved(w.rank, att.decode.rank, old, new)
@@ -71,7 +77,7 @@ class KVTransfers:
                 if x.transfer[1] == old:
                     x.transfer = (x.transfer[0], new)
             self.push(new, self._kv_arrived, att, new)
-        w.sending.clear()
+        w.sending[:] = left
 
     def _kv_arrived(self, att: Attempt, due: float) -> None:
         if not att.live or due != att.kv_due:

@@ -103,6 +103,8 @@ class LinearStepModel:
     by_place: dict | None = None           # {"decode": {"0": x, "1": y}, "prefill": {...}}: a step of the
                                            # worker at that place on its host (its order among the host's
                                            # workers, the order their cores are handed out) takes x, y longer
+    prefill_size: dict | None = None       # {"pred_s": [...], "ratio": [...]}: a step with prompt tokens takes
+                                           # that much longer, by its predicted time (curve_at)
 
     kind = "linear"
 
@@ -121,22 +123,20 @@ class LinearStepModel:
         if self.slowdown:
             xs, ys = np.log(np.asarray(self.slowdown["pred_s"], dtype=float)), np.asarray(self.slowdown["ratio"])
             self._slow = (xs.tolist(), ys.tolist(), xs, ys)
+        self._size = None
+        if self.prefill_size:
+            self._size = (np.log(np.asarray(self.prefill_size["pred_s"], dtype=float)).tolist(),
+                          list(self.prefill_size["ratio"]))
 
     def _slowed(self, t: float) -> float:
         xs, ys, _, _ = self._slow
-        x = math.log(t)
-        if x <= xs[0]:
-            return t * ys[0]
-        if x >= xs[-1]:
-            return t * ys[-1]
-        i = bisect.bisect_right(xs, x)
-        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return t * (ys[i - 1] + w * (ys[i] - ys[i - 1]))
+        return t * _at(xs, ys, t)
 
     def time(self, f: tuple) -> float:
         c = self._c
         t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * (f[5] - f[7]) + c[6] * f[7]
-        return t if self._slow is None else self._slowed(t)
+        out = t if self._slow is None else self._slowed(t)
+        return out * _at(*self._size, t) if self._size is not None and f[2] else out
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         """The after_idle factor of a step of `kind` after `idle_s` seconds idle."""
@@ -161,7 +161,7 @@ class LinearStepModel:
                 "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
                 "after_prefill": self.after_prefill, "contention": self.contention,
                 "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size,
-                "by_place": self.by_place}
+                "by_place": self.by_place, "prefill_size": self.prefill_size}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -313,6 +313,18 @@ def beside_factor(factors: dict | None, kind: str, beside: str | None) -> float:
     return float(x.get(beside, 1.0)) if isinstance(x, dict) else float(x)
 
 
+def _at(log_xs: list, ys: list, t: float) -> float:
+    """A curve given at log x points read at t: linear in log t between them, flat beyond."""
+    x = math.log(t)
+    if x <= log_xs[0]:
+        return ys[0]
+    if x >= log_xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(log_xs, x)
+    w = (x - log_xs[i - 1]) / (log_xs[i] - log_xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
 def curve_at(factor, x: float) -> float:
     """A factor that is a number, or a curve {"<x name>": xs, "ratio": ys} read at x: linear in log x
     between its points, flat beyond them."""
@@ -330,7 +342,7 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
                                d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
                                d.get("contention"), d.get("kv_transfer"),
-                               d.get("after_prefill_by_size"), d.get("by_place"))
+                               d.get("after_prefill_by_size"), d.get("by_place"), d.get("prefill_size"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")

@@ -111,8 +111,6 @@ class WorkerSteps:
         if not e.has_work():
             self._idle(w)
             return
-        if w.sending:
-            self._sender_steps(w, t)
         k = e.run_length()
         idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
         beside = self.hosts.beside(w)
@@ -120,6 +118,8 @@ class WorkerSteps:
             run = e.start_run(t, k, idle_s, beside, w.transfer[1] if w.transfer[0] <= t else 0.0)
             w.step_c = e.contention("decode", beside)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
+            if w.sending:
+                self._sender_steps(w, t, float(run.ends[-1]))
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             self._busy(w, True, prefill=False)
@@ -129,6 +129,8 @@ class WorkerSteps:
             self._idle(w)                           # nothing it can schedule until something changes
             return
         w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
+        if w.sending:
+            self._sender_steps(w, t, t + d)
         w.step_c = e.contention("prefill" if sched.prefills else "decode", beside)
         self.push(t + d, self._step_end, w, w.version)
         self._busy(w, True, prefill=bool(sched.prefills))

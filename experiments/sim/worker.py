@@ -51,7 +51,7 @@ class SimWorker:
     step_c: float = 1.0                    # the contention factor its step in flight runs at now
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
-    sending: list = field(default_factory=list)      # (attempt, start) of KV it sends, slowed when it next steps
+    sending: list = field(default_factory=list)      # (attempt, start) of KV it sends, slowed while it steps
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
