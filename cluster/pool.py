@@ -144,7 +144,7 @@ class WorkerPool:
         if self.cfg.mode == "disaggregated":
             self._wire()
         if self.cfg.speed_probe:
-            self._probe()
+            self.speed = self.probe()
         log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
         return self
 
@@ -192,17 +192,18 @@ class WorkerPool:
             out.setdefault(w.info["node_id"], []).append(w)
         return out
 
-    def _probe(self) -> None:
-        """Each worker's speed probe, workers of one node one after another (so none is timed beside
-        another's probe), nodes at once."""
+    def probe(self) -> dict:
+        """{worker: its speed probe} (workers/probe.py; the workers must be idle), workers of one node
+        one after another (so none is timed beside another's probe), nodes at once."""
         by_node = self._by_node()
-        self.speed = {}
+        speed = {}
         for place in range(max(map(len, by_node.values()))):
             ws = [ws[place] for ws in by_node.values() if place < len(ws)]
             for w, r in zip(ws, self._get([w.actor.probe.remote() for w in ws], "time the speed probe")):
-                self.speed[w.name] = r
+                speed[w.name] = r
                 if "error" in r:
                     log.warning("%s: no speed probe (%s)", w.name, r["error"])
+        return speed
 
     def _engine(self, role: str) -> EngineConfig:
         cfg = self.engine_cfg[role] if isinstance(self.engine_cfg, dict) else self.engine_cfg.replace(role=role)

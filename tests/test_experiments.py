@@ -169,7 +169,11 @@ def test_sweep_records_crashed_points_and_resumes(tmp_path):
         rows = [json.loads(x) for x in (done / rep / "requests.jsonl").read_text().splitlines()]
         assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
         assert (done / rep / "steps.jsonl").stat().st_size > 0
-        assert json.loads((done / rep / "metrics.json").read_text())["ci"]["itl_ms.p99"] is not None
+        rep_metrics = json.loads((done / rep / "metrics.json").read_text())
+        assert rep_metrics["ci"]["itl_ms.p99"] is not None
+        for key in ("speed_probe", "speed_probe_end"):      # the machine's speed before and after serving
+            assert sorted(rep_metrics[key]) == ["decode:0", "prefill:0"], key
+            assert all(p["decode_s"] > 0 and p["prefill_s"] > 0 for p in rep_metrics[key].values()), key
     assert "CUDA" in (crashed / "error.json").read_text() and not (crashed / "rep1").exists()
     stamps = {p: p.stat().st_mtime for p in done.rglob("metrics.json")}
 

@@ -231,12 +231,14 @@ def probe_speed(probes: list[dict], model) -> dict | None:
 
 
 def run_speed(repeat_dirs: list[Path], model) -> dict | None:
-    """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model).
-    One repeat's probes are too few to tell a repeat's speed from the next one's, while the run's
-    median tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
+    """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model), the
+    ones before each repeat's requests and, where the run has them, after (speed_probe_end). One
+    repeat's probes are too few to tell a repeat's speed from the next one's, while the run's median
+    tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
     probes = []
     for d in repeat_dirs:
-        probes += usable(_read(Path(d) / "metrics.json").get("speed_probe"))
+        metrics = _read(Path(d) / "metrics.json")
+        probes += usable(metrics.get("speed_probe")) + usable(metrics.get("speed_probe_end"))
     return probe_speed(probes, model)
 
 

@@ -197,6 +197,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
         router.close()
         after = snapshot()
         traces = router.traces()          # steps on the router's clock, like the requests
+        end_probe = pool.probe() if spec.cluster.speed_probe else None   # the same, once it has served
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
@@ -212,6 +213,8 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["isolation"] = pool.isolation
     if pool.speed is not None:
         metrics["speed_probe"] = pool.speed
+    if end_probe is not None:
+        metrics["speed_probe_end"] = end_probe
     metrics["clocks"] = router.clock_report()
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]
