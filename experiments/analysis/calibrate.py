@@ -46,6 +46,9 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     landing): its threads serialise, send or receive it beside the step: 1.47x for a decode worker's
     step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
     (read at the start, contention had left 1.14x here);
+- prefill_size: what the factors above leave of the steps with prompt tokens, per bin of their
+    predicted time, never rising with it (0.95x at 51 ms at the calibration of 01:45: one linear fit
+    over every prompt size priced the longest too high);
 - by_place: what is left, per step kind, by the worker's place on its host (place_factors);
 - speed: where the run's workers timed the speed probe before each repeat (workers/probe.py), how many
   times the profile's time its steps took, the median over every probe of the run (run_speed; over
@@ -60,7 +63,8 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
 - handoff: the KV handoff as serving runs it, per transport: from the end of the prefill step that
   made a request's first token to its last KV byte landing on the decode worker (exposed_transfer_s,
   disaggregated points with transfer.stream off) fitted as latency + bytes / bandwidth (sim/transfer.py's
-  fit_transfer), with the quantiles of measured / fitted as its noise. It is the export, the sender
+  fit_transfer), with the quantiles of measured / fitted as its noise, and how much slower it goes
+  while its sender steps (handoff_fits' busy). It is the export, the sender
   thread's pickup and the wire while both workers step: the sender's part alone took 3.3-4.0x what
   cluster.transfer_bench measures here (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
   3.26 GB/s, four runs);
