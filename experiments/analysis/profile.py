@@ -77,9 +77,12 @@ def profile_path(model: str, dtype: str, threads: int, machine: str | None = Non
 # -- 1. steps ---------------------------------------------------------------------------------------
 class StepBench:
     """Hand-built steps executed by a real ModelRunner: B decodes at context C beside one P-token chunk
-    from token s. Each decode request owns its blocks, as in serving."""
+    from token s. Each decode request owns its blocks, as in serving. Timed by `clock` (wall time; a
+    test may read thread CPU time, which other processes' load leaves alone)."""
 
-    def __init__(self, model, max_batch: int, max_context: int, max_chunk_end: int, block_size: int = 16):
+    def __init__(self, model, max_batch: int, max_context: int, max_chunk_end: int, block_size: int = 16,
+                 clock=time.perf_counter):
+        self.clock = clock
         from workers.config import EngineConfig, blocks_for
         from workers.engine import Engine
         from workers.request import Request, SamplingParams
@@ -112,9 +115,9 @@ class StepBench:
             r = self.chunk
             r.token_ids, r.num_computed_tokens = r.prompt_ids[:start + chunk], start
             out.prefills.append(ScheduledChunk(r, chunk))
-        t = time.perf_counter()
+        t = self.clock()
         self.engine.runner.execute(out)
-        return time.perf_counter() - t
+        return self.clock() - t
 
 
 def grid_cells(batches, contexts, chunks, starts) -> list[tuple[int, int, int, int]]:
@@ -159,7 +162,7 @@ def fit_steps(samples: dict) -> dict:
 
 
 # -- 2. host gap ------------------------------------------------------------------------------------
-def measure_gap(model, batches, steps: int = 40) -> dict:
+def measure_gap(model, batches, steps: int = 40, clock=None) -> dict:
     from workers.config import EngineConfig
     from workers.engine import Engine
     from workers.request import SamplingParams
@@ -167,7 +170,8 @@ def measure_gap(model, batches, steps: int = 40) -> dict:
     xs, ys = [], []
     for b in batches:
         engine = Engine(model, EngineConfig(policy="chunked", token_budget=17 * b, max_batch=b,
-                                            num_kv_blocks=b * 8 + 8, max_model_len=128))
+                                            num_kv_blocks=b * 8 + 8, max_model_len=128),
+                        **({"clock": clock} if clock else {}))
         for i in range(b):
             engine.add_request(f"g{i}", [1] * 16, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
         for _ in range(steps):
