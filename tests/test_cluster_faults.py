@@ -116,14 +116,8 @@ def test_killed_decode_worker_loses_no_request(caplog):
     assert pool.isolation["cpus_per_worker"] == 0 and not pool.isolation["dedicated"]
     assert "workers share cores; differences between modes are confounded" in caplog.text
     assert all(p["cores"] == pool.workers[0].info["cores"] for p in pool.isolation["per_worker"])
-    try:
-        # a dense stream of long generations, so requests are decoding on decode:0 when it dies
-        records = serve(pool, prompts=PROMPTS * 4, faults=FaultConfig(kill_worker="decode:0", kill_after_s=1.0),
-                        max_tokens=60, spacing_s=0.05)
-    finally:
-        pool.shutdown()
-    assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
-    assert [r.output_ids for r in records] == greedy_tokens(60) * 4, "retries continue the stream exactly"
+    # a dense stream of long generations, so requests are decoding on decode:0 when it dies
+    records = serve_through_a_kill(pool, copies=4, max_tokens=60, kill_after_s=1.0, spacing_s=0.05)
     assert any(r.attempts > 1 for r in records), "the kill was meant to hit requests in flight"
     assert all(r.decode_worker == "decode:1" and r.injected_fault and r.crashes == 0 for r in records if r.attempts > 1)
 
@@ -131,19 +125,26 @@ def test_killed_decode_worker_loses_no_request(caplog):
 def test_losing_every_decode_worker_falls_back_to_whole_requests_on_prefill():
     """A node loss that takes the whole decode pool leaves no role empty: the surviving prefill worker
     serves requests whole, the records say so, and no token differs."""
-    pool = start_pool(prefill=1, decode=1)
-    try:
-        records = serve(pool, prompts=PROMPTS * 2, faults=FaultConfig(kill_worker="decode:0", kill_after_s=0.8),
-                        max_tokens=40, spacing_s=0.1)
-    finally:
-        pool.shutdown()
-    assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
-    assert [r.output_ids for r in records] == greedy_tokens(40) * 2
+    records = serve_through_a_kill(start_pool(prefill=1, decode=1), copies=2, max_tokens=40, kill_after_s=0.8,
+                                   spacing_s=0.1)
     degraded = [r for r in records if r.note]
     assert degraded, "the kill was meant to leave requests with no decode worker"
     assert all(r.note == "served whole on prefill:0: no live decode worker" and r.decode_worker == "prefill:0"
                for r in degraded)
     assert all(r.crashes == 0 for r in records), "an injected kill is not counted against the requests"
+
+
+def serve_through_a_kill(pool, copies: int, max_tokens: int, kill_after_s: float, spacing_s: float):
+    """PROMPTS x copies served while decode:0 is killed kill_after_s in, the pool shut down after: every
+    request completes, retries continuing each stream exactly."""
+    try:
+        records = serve(pool, prompts=PROMPTS * copies, max_tokens=max_tokens, spacing_s=spacing_s,
+                        faults=FaultConfig(kill_worker="decode:0", kill_after_s=kill_after_s))
+    finally:
+        pool.shutdown()
+    assert all(r.status == "ok" for r in records), [r.reason for r in records if r.status != "ok"]
+    assert [r.output_ids for r in records] == greedy_tokens(max_tokens) * copies, "retries continue the stream exactly"
+    return records
 
 
 def test_too_few_gpus_fails_fast():
