@@ -15,7 +15,7 @@ take over the next k steps are free, then the next k steps are known without sch
 request gains one token per step, the first to finish ends the run. `start_run` computes those k
 steps' times in one numpy call; `apply_run` advances every request by the m <= k steps that ran (a run
 is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
-is the one the scheduler would have produced (tests/test_sim.py replays a recorded engine trace).
+is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
 """
 from __future__ import annotations
 
