@@ -7,10 +7,11 @@ runs of 21:43-23:00, 0.88-0.93x at 23:55-23:58, 0.95-1.01x at 00:24-00:30, no ot
 CPU). A profile and its serving calibration hold for the speed they were measured at. So
 each worker times a decode step (`DECODE_CONTEXT` tokens of context, batch 1) and a prompt chunk
 (`PROMPT_TOKENS` from token 0), cells a profile's grid also fits, `ROUNDS` times alternately, before
-its first request and again after its last; the medians go into the repeat's metrics.json. One
-repeat's probes are a noisy thermometer (a repeat's steps ran 1.10-1.28x its probe's reading, p10-p90),
-a run's median over all of them a steadier one (1.14-1.30x over 16 runs), so
-experiments/analysis/calibrate.py and experiments.validate read a run's steps at the speed of its median. The steps run on the engine's own runner,
+its first request (and again after its last, for experiments.analysis.probe_check to compare); the
+medians go into the repeat's metrics.json. One repeat's probes are a noisy thermometer (a repeat's
+steps ran 1.10-1.28x its probe's reading, p10-p90), a run's median over all of them a steadier one
+(1.14-1.30x over 16 runs), so experiments/analysis/calibrate.py and experiments.validate read a run's
+steps at the speed of the median of its probes before the requests. The steps run on the engine's own runner,
 pool and weights with blocks taken from its free list and given back, and leave no trace record.
 """
 from __future__ import annotations

@@ -234,15 +234,15 @@ def probe_speed(probes: list[dict], model) -> dict | None:
                                          for r in ok)}
 
 
-def run_speed(repeat_dirs: list[Path], model) -> dict | None:
-    """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model), the
-    ones before each repeat's requests and, where the run has them, after (speed_probe_end). One
-    repeat's probes are too few to tell a repeat's speed from the next one's, while the run's median
-    tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
+def run_speed(repeat_dirs: list[Path], model, which: str = "speed_probe") -> dict | None:
+    """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model), those
+    taken before each repeat's requests (`which`: "speed_probe_end" for those after them, which runs
+    since 2026-12-02 06:55 also have; pricing reads the ones before, as every calibration has them).
+    One repeat's probes are too few to tell a repeat's speed from the next one's, while the run's
+    median tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
     probes = []
     for d in repeat_dirs:
-        metrics = _read(Path(d) / "metrics.json")
-        probes += usable(metrics.get("speed_probe")) + usable(metrics.get("speed_probe_end"))
+        probes += usable(_read(Path(d) / "metrics.json").get(which))
     return probe_speed(probes, model)
 
 

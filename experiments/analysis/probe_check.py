@@ -5,8 +5,9 @@ For each repeat of each run: the probe's decode reading (workers/probe.py: its d
 profile's time for it, the median over the repeat's workers) beside the median serving decode step
 in no serving state the calibration prices (decode-only, 8 or more steps after the worker's last
 prompt tokens, not from idle) / the profile's time for it. Printed per run (the medians over its
-probes and its repeats; then per point) and over every repeat: how steady serving / probe is. The run-level
-reading is what experiments/analysis/calibrate.py and experiments.validate use (run_speed).
+probes and its repeats, and those of the probes after the requests where the run has them; then per
+point) and over every repeat: how steady serving / probe is. The run-level reading of the probes
+before is what experiments/analysis/calibrate.py and experiments.validate use (run_speed).
 """
 from __future__ import annotations
 
@@ -68,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['run']}: no repeat with both a probe and quiet decode steps")
             continue
         run_probe = run_speed(repeat_dirs(Path(r["run"])), model)["decode"]
+        after = run_speed(repeat_dirs(Path(r["run"])), model, "speed_probe_end")
         serve = statistics.median(x["serving"] for x in reps)
         every += [x["serving"] / x["probe"] for x in reps]
         print(f"{r['run']}: probe {run_probe:.3f}x the profile (repeats {min(x['probe'] for x in reps):.3f}-"
               f"{max(x['probe'] for x in reps):.3f}), serving decode {serve:.3f}x (repeats "
-              f"{min(x['serving'] for x in reps):.3f}-{max(x['serving'] for x in reps):.3f}): serving / probe {serve / run_probe:.3f}")
+              f"{min(x['serving'] for x in reps):.3f}-{max(x['serving'] for x in reps):.3f}): serving / probe {serve / run_probe:.3f}"
+              + (f"; the probes after the requests {after['decode']:.3f}x (serving / probe {serve / after['decode']:.3f})"
+                 if after else ""))
         points: dict[str, list] = {}
         for x in reps:
             points.setdefault(str(Path(x["repeat"]).parent), []).append(x)
