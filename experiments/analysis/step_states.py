@@ -58,7 +58,8 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     a chunk of one); `kv_transfer` (a KV transfer from or to the worker in flight: its threads send or
     receive it), per kind. Each is the median of measured / (curve x the factors already found) over
     its steps (1.0 with fewer than `per_bin`). Last, `prefill_size`: what is left of the steps with
-    prompt tokens per bin of their predicted time (binned_curve), over its median (None with fewer
+    prompt tokens per bin of their predicted time, never rising with it (rising_curve of its negative),
+    over its median (None with fewer
     than 2 x `per_bin`). `residual` is measured / everything modelled, what the noise tables are made of."""
     plain = sorted((p, m) for v in steps_seen.values() for p, m, st in v
                    if not (st.idle is not None or st.busy > ALONE or st.transfer or st.k < ECHO_STEPS))
@@ -280,8 +281,9 @@ def slowdown_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list
 
 
 def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
-    """binned_curve's medians made non-decreasing, pooling adjacent bins that break it (isotonic
-    regression on medians)."""
+    """(median x, median y) per bin of x over (x, y) pairs sorted by x (bins a factor of 1.25 wide,
+    merged with the next until they hold `per_bin` pairs, the last with the one before), the medians
+    made non-decreasing, pooling adjacent bins that break it (isotonic regression on medians)."""
     out: list[list[float]] = []
     for blk in _bins(pairs, per_bin):
         out.append(blk)
@@ -290,13 +292,6 @@ def rising_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[f
             w = b1[2] + b2[2]
             out.append([(b1[0] * b1[2] + b2[0] * b2[2]) / w, (b1[1] * b1[2] + b2[1] * b2[2]) / w, w])
     return [float(b[0]) for b in out], [float(b[1]) for b in out]
-
-
-def binned_curve(pairs: list[tuple[float, float]], per_bin: int) -> tuple[list[float], list[float]]:
-    """(median x, median y) per bin of x over (x, y) pairs sorted by x: bins a factor of 1.25 wide,
-    merged with the next until they hold `per_bin` pairs (the last with the one before)."""
-    blocks = _bins(pairs, per_bin)
-    return [float(b[0]) for b in blocks], [float(b[1]) for b in blocks]
 
 
 def _bins(pairs: list[tuple[float, float]], per_bin: int) -> list[list[float]]:
