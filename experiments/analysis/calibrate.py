@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -302,8 +301,9 @@ def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
         busy = []
         for b, s, steps in pairs:
             w, o = model.seconds(b), overlap(steps, s)
-            if o >= 0.25 * w and w - s + o > 0:
-                busy.append(o / (w - s + o))
+            x = overlap_factor(w, s, o)
+            if x is not None and o >= 0.25 * w:
+                busy.append(x)
         factor = statistics.median(busy) if len(busy) >= per_bin else 1.0
         ratios = [s / busy_finish(model.seconds(b), steps, factor) for b, s, steps in pairs]
         out[transport] = model.to_dict() | {"fit_error": err, "num": len(pairs), "busy": factor,
@@ -326,6 +326,14 @@ def sender_steps(steps: list[dict], first_token: float, horizon_s: float = 1.0) 
 def overlap(steps: list[tuple[float, float]], t: float) -> float:
     """Seconds of [0, t] inside the steps."""
     return sum(max(0.0, min(b, t) - max(a, 0.0)) for a, b in steps)
+
+
+def overlap_factor(work_s: float, measured_s: float, overlap_s: float) -> float | None:
+    """How much slower a handoff of `work_s` at full speed went inside its sender's steps, if it took
+    `measured_s` and overlapped them for `overlap_s` (at full speed outside them); None where it
+    did not overlap or the reading is undefined."""
+    rest = work_s - (measured_s - overlap_s)
+    return overlap_s / rest if overlap_s > 0 and rest > 0 else None
 
 
 def busy_finish(work_s: float, steps: list[tuple[float, float]], busy: float) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.analysis.calibrate import by_worker, overlap, repeat_dirs, sender_steps
+from experiments.analysis.calibrate import by_worker, overlap, overlap_factor, repeat_dirs, sender_steps
 from experiments.serving.aggregate import read_jsonl
 
 
@@ -37,9 +37,7 @@ def handoffs(run: Path, latency_s: float, bandwidth: float) -> list[dict]:
                 continue
             w = latency_s + b / bandwidth
             o = overlap(sender_steps(workers.get(r["prefill_worker"], []), r["arrival_s"] + r["ttft_s"]), s)
-            rest = w - (s - o)
-            out.append({"bytes": b, "ratio": s / w, "overlap": o / s,
-                        "factor": o / rest if o > 0 and rest > 0 else None})
+            out.append({"bytes": b, "ratio": s / w, "overlap": o / s, "factor": overlap_factor(w, s, o)})
     return out
 
 

@@ -331,8 +331,7 @@ def curve_at(factor, x: float) -> float:
     if not isinstance(factor, dict):
         return float(factor)
     xs, ys = next(v for k, v in factor.items() if k != "ratio"), factor["ratio"]
-    lx = math.log(max(x, 1e-9))
-    return float(np.interp(lx, np.log(np.asarray(xs, dtype=float)), ys))
+    return float(_at([math.log(v) for v in xs], list(ys), max(x, 1e-9)))
 
 
 def model_from_dict(d: dict, cfg: ModelConfig | None = None):
