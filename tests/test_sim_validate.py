@@ -139,7 +139,9 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(line) == {"errors", "max_abs_error"}
+    assert set(line) == {"errors", "max_abs_error", "real_spread"}
+    assert set(line["real_spread"]) == set(line["errors"])     # per value; None for a point of one repeat
+    assert all(v is None or v >= 0 for v in line["real_spread"].values())
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
     means = [abs(e) for k, e in line["errors"].items() if k.endswith("_mean")]
     assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
@@ -180,3 +182,28 @@ def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs
     assert set(json.loads(proc.stdout.strip().splitlines()[-1])["errors"].values()) == {0.0}
     proc = validate(a, "--against", other)
     assert proc.returncode == 2 and "point '1p1d'" in proc.stderr and "same requests" in proc.stderr
+
+
+def test_validate_tells_a_simulated_value_inside_the_real_repeats_spread_from_one_outside():
+    """Beside each error goes the real run's own spread: a value between the lowest and the highest
+    real repeat is within it, one beyond the highest is not, the spread is (highest - lowest) / the
+    median, and a point of one repeat has no spread to judge by."""
+    import statistics
+
+    from experiments.analysis.validate import summary, within_range
+
+    def point(name, real, sim):
+        keys = ["ttft_mean", "tpot_p99"]
+        vals = {k: statistics.median(real) for k in keys}
+        return {"point": name, "repeats": len(real), "real": vals, "sim": dict(zip(keys, sim)),
+                "error": {k: (s - vals[k]) / vals[k] for k, s in zip(keys, sim)},
+                "real_range": {k: [min(real), max(real)] for k in keys}}
+
+    a = point("a", [10.0, 12.0, 14.0], [13.5, 14.5])
+    one = point("one", [10.0], [10.0, 11.0])
+    assert within_range(a, "ttft_mean") is True and within_range(a, "tpot_p99") is False
+    assert within_range(one, "ttft_mean") is None
+    line = summary({"points": [a, one]})
+    assert line["real_spread"]["a/ttft_mean"] == pytest.approx(4.0 / 12.0)
+    assert line["real_spread"]["one/ttft_mean"] is None
+    assert line["_inside"] == (1, 2)

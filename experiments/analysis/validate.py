@@ -13,9 +13,13 @@ serving part from another real run (one made beside the run validated, never the
 the run's workers timed the speed probe (workers/probe.py) and the calibration's did too, its
 steps are priced at the run's probe / the calibration's (--no-speed: at the calibration's).
 `--against OTHER_RUN` puts a second real run of the same requests in the simulator's place: how far
-this machine is from itself, the floor of any simulator's error here. The
-last line is JSON: {"errors": {"ttft_mean": ..., ...}, "max_abs_error": ...}, with keys "<metric>" for
-a run of one point and "<point>/<metric>" for several.
+this machine is from itself, the floor of any simulator's error here. Beside each real value go the
+lowest and highest of its repeats (the run's own spread, in the same run: on a machine whose speed
+moves that much from one repeat to the next, no error smaller than it can be told), and whether the
+simulated value lies within them (for three repeats of one steady machine, the range holds the
+median's true value three times in four). The last line is JSON: {"errors": {"ttft_mean": ..., ...},
+"max_abs_error": ..., "real_spread": {"ttft_mean": (highest - lowest) / value, ...}}, with keys
+"<metric>" for a run of one point and "<point>/<metric>" for several.
 """
 from __future__ import annotations
 
@@ -149,11 +153,12 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         else:
             reps = [replay(d, profile, calibrated, SEEDS, serving, speed_of[p.rel]) for d in p.repeats]
         real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
+        spread = {k: _range([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
         sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
         err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
         load = [((m.get("machine") or {}).get("load_1m_end")) for m in [p.metrics]]
         results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
-                        "repeats": len(reps), "real": real, "sim": sim, "error": err,
+                        "repeats": len(reps), "real": real, "sim": sim, "error": err, "real_range": spread,
                         "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
                         "speed": reps[0][2]["speed_used"], "run_speed": speed_of[p.rel]})
     return {"points": results}
@@ -177,6 +182,22 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     return cal | {"source": f"recalibrated from {run_dir}"}
 
 
+def _range(xs) -> list | None:
+    """[lowest, highest] of a metric over a point's real repeats (None where a repeat lacks it)."""
+    if any(x is None for x in xs) or not xs:
+        return None
+    return [min(xs), max(xs)]
+
+
+def within_range(p: dict, k: str) -> bool | None:
+    """Whether point p's simulated value of k lies within its real repeats' range: the run's own
+    spread, repeat to repeat (None with one repeat, where there is no spread to tell)."""
+    r, s = p["real_range"].get(k), p["sim"].get(k)
+    if r is None or s is None or p["repeats"] < 2:
+        return None
+    return r[0] <= s <= r[1]
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -188,14 +209,19 @@ def target(key: str) -> float:
 
 def summary(result: dict) -> dict:
     many = len(result["points"]) > 1
-    errors = {}
+    errors, spread, inside = {}, {}, {}
     for p in result["points"]:
         for k, e in p["error"].items():
-            errors[f"{p['point']}/{k}" if many else k] = e
+            key = f"{p['point']}/{k}" if many else k
+            errors[key] = e
+            r, real = p["real_range"].get(k), p["real"].get(k)
+            spread[key] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
+            inside[key] = within_range(p, k)
     defined = [abs(e) for e in errors.values() if e is not None]
     met = {k: abs(e) <= target(k.rsplit("/", 1)[-1]) for k, e in errors.items() if e is not None}
-    return {"errors": errors, "max_abs_error": max(defined) if defined else None,
-            "_met": (sum(met.values()), len(met))}
+    judged = [v for v in inside.values() if v is not None]
+    return {"errors": errors, "max_abs_error": max(defined) if defined else None, "real_spread": spread,
+            "_met": (sum(met.values()), len(met)), "_inside": (sum(judged), len(judged))}
 
 
 def print_table(result: dict) -> None:
@@ -215,13 +241,16 @@ def print_table(result: dict) -> None:
                    if run is None else "--no-speed")
             print(f"steps priced at the calibration's speed ({why})")
         other = "other run" if c.get("seeds") == 0 else "simulated"
-        print(f"{'metric':<12} {'real':>10} {other:>10} {'error':>8}  target")
+        print(f"{'metric':<12} {'real':>10} {'real repeats':>17} {other:>10} {'error':>8}  target")
         for k in TARGETS_KEYS:
-            r, s, e = p["real"][k], p["sim"][k], p["error"][k]
+            r, s, e, rng = p["real"][k], p["sim"][k], p["error"][k], p["real_range"][k]
             unit = "req/s" if k == "goodput" else "ms"
             text = "n/a" if e is None else f"{e:+.1%}"
             ok = "" if e is None else ("met" if abs(e) <= target(k) else "MISSED")
-            print(f"{k:<12} {_fmt(r):>10} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}  {unit}")
+            span = "n/a" if rng is None else f"{_fmt(rng[0])}-{_fmt(rng[1])}"
+            inside = within_range(p, k)
+            where = "" if inside is None else ("; within the repeats" if inside else "; outside the repeats")
+            print(f"{k:<12} {_fmt(r):>10} {span:>17} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}{where}  {unit}")
     c = result["points"][0]["costs"]
     if c.get("seeds") == 0:
         print(f"compared with {c['source']}, not simulated")
@@ -234,6 +263,10 @@ def print_table(result: dict) -> None:
     cal = c.get("calibration_other_cores")
     print(f"other processes' CPU: {'n/a' if cal is None else f'{cal:.2f}'} cores during the calibration, "
           f"{', '.join(f'{x:.2f}' for x in runs) or 'n/a'} during the run (first repeat of each point)")
+
+
+def against_mode(result: dict) -> bool:
+    return result["points"][0]["costs"].get("seeds") == 0
 
 
 def _fmt(x) -> str:
@@ -261,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     line = summary(result)
     met, total = line.pop("_met")
+    inside, judged = line.pop("_inside")
     print(f"targets: |error| <= {TARGETS['mean']:.0%} on means and p50, {TARGETS['p90']:.0%} on p90 and p99, "
           f"{TARGETS['goodput']:.0%} on goodput: {met} of {total} met")
+    if judged:
+        spreads = sorted(v for v in line["real_spread"].values() if v is not None)
+        print(f"the real run's own spread (highest - lowest repeat, over the value): median {spreads[len(spreads) // 2]:.1%}, "
+              f"largest {spreads[-1]:.1%}; the {'other run' if against_mode(result) else 'simulated'} value lies "
+              f"within the real repeats' range on {inside} of {judged}")
     print(json.dumps(line))
     return 0
