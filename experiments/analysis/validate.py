@@ -240,7 +240,7 @@ def print_table(result: dict) -> None:
             why = ("no speed probe in the calibration" if cal is None else "no speed probe in this run"
                    if run is None else "--no-speed")
             print(f"steps priced at the calibration's speed ({why})")
-        other = "other run" if c.get("seeds") == 0 else "simulated"
+        other = "other run" if against_mode(result) else "simulated"
         print(f"{'metric':<12} {'real':>10} {'real repeats':>17} {other:>10} {'error':>8}  target")
         for k in TARGETS_KEYS:
             r, s, e, rng = p["real"][k], p["sim"][k], p["error"][k], p["real_range"][k]
@@ -252,7 +252,7 @@ def print_table(result: dict) -> None:
             where = "" if inside is None else ("; within the repeats" if inside else "; outside the repeats")
             print(f"{k:<12} {_fmt(r):>10} {span:>17} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}{where}  {unit}")
     c = result["points"][0]["costs"]
-    if c.get("seeds") == 0:
+    if against_mode(result):
         print(f"compared with {c['source']}, not simulated")
         return
     fe = c.get("fit_error") or {}
@@ -266,6 +266,7 @@ def print_table(result: dict) -> None:
 
 
 def against_mode(result: dict) -> bool:
+    """Whether another real run stands in the simulator's place (--against)."""
     return result["points"][0]["costs"].get("seeds") == 0
 
 
@@ -298,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"targets: |error| <= {TARGETS['mean']:.0%} on means and p50, {TARGETS['p90']:.0%} on p90 and p99, "
           f"{TARGETS['goodput']:.0%} on goodput: {met} of {total} met")
     if judged:
-        spreads = sorted(v for v in line["real_spread"].values() if v is not None)
-        print(f"the real run's own spread (highest - lowest repeat, over the value): median {spreads[len(spreads) // 2]:.1%}, "
-              f"largest {spreads[-1]:.1%}; the {'other run' if against_mode(result) else 'simulated'} value lies "
-              f"within the real repeats' range on {inside} of {judged}")
+        spreads = [v for v in line["real_spread"].values() if v is not None]
+        who = "other run's" if against_mode(result) else "simulated"
+        print(f"the real run's own spread (highest - lowest repeat, over the value): median "
+              f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}; the {who} value lies within the real "
+              f"repeats' range on {inside} of {judged}")
     print(json.dumps(line))
     return 0
