@@ -179,7 +179,8 @@ class WorkerPool:
             "cpus_per_worker": cpus, "driver_cores": driver,
             "reason": "; ".join(reasons) or None,
             "per_worker": [{"worker": w.name, "host": w.info["host"], "cores": w.info["cores"],
-                            "torch_threads": w.info["torch_threads"]} for w in self.workers]}
+                            "torch_threads": w.info["torch_threads"],
+                            "cpu_gemm_rows": w.info["memory"].get("cpu_gemm_rows")} for w in self.workers]}
         if not dedicated:
             log.warning("%s (%s)", SHARED_WARNING, self.isolation["reason"])
         elif driver is None:

@@ -76,14 +76,18 @@ class EngineOptions:
     compile: bool = False        # torch.compile the model
     cuda_graphs: bool = True     # GPU: replay decode-only steps from CUDA graphs
     kernels: str = "auto"        # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
+    cpu_gemm_rows: int | str | None = "auto"   # CPU kernels: MKL's GEMM from this many rows (null: never; auto: measured)
 
     def __post_init__(self):
         from workers.attention import BACKENDS
+        from workers.config import check_gemm_rows
         from workers.ops import KERNELS
         if self.attention not in ("auto", *BACKENDS):
             raise ValueError(f"attention={self.attention!r}: choose auto or one of {sorted(BACKENDS)}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {list(KERNELS)}")
+        if self.cpu_gemm_rows != "auto":
+            check_gemm_rows(self.cpu_gemm_rows)
 
 
 @dataclass(frozen=True)

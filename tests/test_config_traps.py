@@ -51,6 +51,7 @@ def test_explicit_cluster_settings_are_served_as_given(overrides, expect):
     (["scheduler.prefill_token_budget=0"], "scheduler.prefill_token_budget=0"),
     (["repeats=0"], "repeats=0 must be a positive integer"),
     (["repeats=two"], "repeats='two' must be a positive integer"),
+    (["engine.cpu_gemm_rows=100"], "engine.cpu_gemm_rows=100: choose auto, null (always the panel kernel) or a number"),
 ])
 def test_bad_settings_fail_in_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

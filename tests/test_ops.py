@@ -8,7 +8,7 @@ from workers.attention import AttentionMetadata
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.model import RMSNorm
-from workers.ops import CpuOps, TorchOps, make_ops
+from workers.ops import CpuOps, TorchOps, make_ops, pick_gemm_rows
 from workers.request import SamplingParams
 from workers.weights import build_model
 
@@ -98,14 +98,15 @@ def test_panel_linear_matches_torch_at_any_shape(rows, cols, depth):
         cpu_kernels.linear_small(x[:, :2].contiguous(), packed, cols)
 
 
-# 48 tokens a step: every linear on the panel kernel; 640: prompt steps on MKL's GEMM into the
-# reused buffers (CpuOps.BUFFERED_ROWS), decode steps on the panel kernel, into the same buffers
-@pytest.mark.parametrize("budget", [48, 640])
-def test_engines_on_both_kernels_give_the_same_tokens(tiny, budget):
+# 48 tokens a step: every linear on the panel kernel; 640: prompt steps on MKL's GEMM from 256 rows,
+# or on the panel kernel at every size (None), into the reused buffers; decode steps on the panel kernel
+@pytest.mark.parametrize("budget,gemm_rows", [(48, "auto"), (640, 256), (640, None)])
+def test_engines_on_both_kernels_give_the_same_tokens(tiny, budget, gemm_rows):
     prompts = random_prompts(7, tiny.cfg.vocab_size, [1, 33, 70, 5, 129, 16, 400], seed=2)
     outputs = {}
     for kernels in ("torch", "cpu"):
-        engine = Engine(tiny, EngineConfig(token_budget=budget, num_kv_blocks=96, kernels=kernels))
+        engine = Engine(tiny, EngineConfig(token_budget=budget, num_kv_blocks=96, kernels=kernels,
+                                           cpu_gemm_rows=gemm_rows))
         assert engine.memory()["kernels"] == kernels
         reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=20, ignore_eos=True))
                 for i, p in enumerate(prompts)]
@@ -144,3 +145,42 @@ def test_kernel_choice_is_checked():
         make_ops("cpu", model, cpu, torch.bfloat16, compile=False)
     with pytest.raises(ValueError, match="kernels='fast'"):
         make_ops("fast", model, cpu, torch.float32, compile=False)
+    for rows in (100, "fast", 2.5):
+        with pytest.raises(ValueError, match=f"cpu_gemm_rows={rows!r}: choose auto, null"):
+            EngineConfig(cpu_gemm_rows=rows)
+
+
+def test_a_linear_takes_the_route_its_rows_call_for(tiny, monkeypatch):
+    """Under gemm_rows rows the panel kernel, from it MKL's GEMM (torch.mm); None: the panel kernel at
+    any size. Either way the product is the same."""
+    from workers import cpu_kernels
+    calls, panel, mm = [], cpu_kernels.linear_small, torch.mm
+    monkeypatch.setattr(cpu_kernels, "linear_small", lambda *a, **k: calls.append("panel") or panel(*a, **k))
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append("gemm") or mm(*a, **k))
+    weight = tiny.layers[0].mlp.gate_up_proj
+    with torch.no_grad():
+        for gemm_rows, rows, route in [(300, 299, "panel"), (300, 300, "gemm"), (None, 1024, "panel")]:
+            ops = CpuOps(tiny, gemm_rows=gemm_rows)
+            x = torch.randn(rows, tiny.cfg.hidden_size)
+            calls.clear()
+            got = ops.linear(x, weight)
+            assert calls == [route], (gemm_rows, rows)
+            torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+def test_gemm_rows_are_where_the_panel_kernel_stops_winning_clearly():
+    # (rows, panel kernel's time, MKL's time)
+    assert pick_gemm_rows([(256, 1.0, 0.5)]) == 256                          # MKL faster: from the start
+    assert pick_gemm_rows([(256, 1.0, 1.05)]) == 256                         # a near tie: MKL, as before
+    assert pick_gemm_rows([(256, 1.0, 2.3), (512, 2.0, 2.1)]) == 512         # the panel wins clearly at 256 only
+    assert pick_gemm_rows([(256, 1.0, 2.3), (512, 2.0, 4.6), (1024, 4.0, 9.2)]) is None   # an AMD EPYC here
+
+
+def test_the_measured_choice_is_reported_and_made_once(tiny):
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=32))
+    ops = engine.runner.ops
+    assert ops.gemm_timings and all(p > 0 and g > 0 for _, p, g in ops.gemm_timings)
+    assert engine.memory()["cpu_gemm_rows"] == ops.gemm_rows == pick_gemm_rows(ops.gemm_timings)
+    assert Engine(tiny, EngineConfig(num_kv_blocks=32)).runner.ops.gemm_timings is ops.gemm_timings
+    pinned = Engine(tiny, EngineConfig(num_kv_blocks=32, cpu_gemm_rows=512))
+    assert pinned.memory()["cpu_gemm_rows"] == 512 and pinned.runner.ops.gemm_timings == []

@@ -13,6 +13,9 @@ alone take here, measured per step shape after the timed runs (HF's time over it
 engine doing those matmuls could gain), then that floor with attention's FLOPs added at the
 matmuls' own rate (a bound no attention kernel reaches). On a GPU it also prints the decode step against the HBM floor and the
 prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
+With `--against-gemm-rows N` (CPU kernels), a second pdlab engine whose linears run MKL's GEMM from N
+rows (`engine.cpu_gemm_rows`; `none`: the panel kernel always) runs alternately with the other two,
+and the case prints the first engine's route (measured) and its time against that one's.
 
 Cases (the shapes of issue 10's table): `decode-heavy` (tiny, 64 prompts x 128 tokens, 128 out),
 `prefill-heavy` (29m, 64 x 512, 32 out), `mixed` (29m, 16 x 256, 64 out). `--shape` replaces the
@@ -232,14 +235,19 @@ def run_case(case: Case, cfg: ModelConfig, args, device: torch.device, dtype: to
                         max_model_len=case.prompt_len + case.output_len, attention=args.attention,
                         compile=args.compile, **({"kv_cache_bytes": args.kv_cache_mb << 20} if device.type == "cpu" else {}))
     hf, pd = HFRunner(path, device, dtype), PdlabRunner(path, device, dtype, ecfg)
+    runners = {"hf": hf, "pdlab": pd}
+    if args.against_gemm_rows:
+        rows = None if args.against_gemm_rows == "none" else int(args.against_gemm_rows)
+        runners["against"] = PdlabRunner(path, device, dtype, ecfg.replace(cpu_gemm_rows=rows))
     warm = ids[:2, :16]
-    hf.generate(warm, 4)
-    pd.generate(warm, 4)
-    pd.generate(ids, 2)                  # the shapes of the real run (and, with --compile, its graphs)
-    times = {"hf": [], "pdlab": []}
+    for runner in runners.values():
+        runner.generate(warm, 4)
+    for runner in list(runners.values())[1:]:
+        runner.generate(ids, 2)          # the shapes of the real run (and, with --compile, its graphs)
+    times = {name: [] for name in runners}
     outputs = {}
-    for _ in range(args.repeats):        # alternate, so drift on a shared machine hits both alike
-        for name, runner in (("hf", hf), ("pdlab", pd)):
+    for _ in range(args.repeats):        # alternate, so drift on a shared machine hits all alike
+        for name, runner in runners.items():
             seconds, outputs[name] = timed(lambda: runner.generate(ids, case.output_len))
             times[name].append(seconds)
     pairs = [h / p for h, p in zip(times["hf"], times["pdlab"])]
@@ -256,7 +264,14 @@ def run_case(case: Case, cfg: ModelConfig, args, device: torch.device, dtype: to
               "matmul_floor_s": floor_s, "max_speedup": statistics.median(times["hf"]) / floor_s,
               "matmul_gflops": mm_flops / floor_s / 1e9, "attention_gflop": attn_flops / 1e9,
               "compute_floor_s": compute_s, "max_speedup_compute": statistics.median(times["hf"]) / compute_s,
-              "attention": pd.engine.runner.backend.name, "compile": args.compile}
+              "attention": pd.engine.runner.backend.name, "compile": args.compile,
+              "cpu_gemm_rows": pd.engine.memory()["cpu_gemm_rows"]}
+    if "against" in runners:
+        ratios = [p / a for p, a in zip(times["pdlab"], times["against"])]
+        result["against"] = {"cpu_gemm_rows": runners["against"].engine.memory()["cpu_gemm_rows"],
+                             "s": statistics.median(times["against"]), "ratio": statistics.median(ratios),
+                             "ratio_min": min(ratios), "ratio_max": max(ratios),
+                             "identical": outputs["against"] == outputs["pdlab"]}
     if device.type == "cuda":
         result["gpu"] = gpu_floors(cfg, torch.tensor([], dtype=dtype).element_size(), pd.engine, case)
     return result
@@ -278,6 +293,11 @@ def report(r: dict) -> str:
             lines.append(f"  {kind} steps: {k['steps']}, {k['tokens_per_step']:g} tokens each, {k['step_ms']:.2f} ms "
                          f"median = prepare {k['prepare_ms']:.2f} + forward {k['forward_ms']:.2f} + sample "
                          f"{k['sample_ms']:.2f}")
+    if "against" in r:
+        a, route = r["against"], lambda rows: "the panel kernel always" if rows is None else f"MKL from {rows} rows"
+        lines.append(f"  linears: {route(r['cpu_gemm_rows'])} (measured); against {route(a['cpu_gemm_rows'])}: "
+                     f"{a['s']:.2f} s, pdlab / it {a['ratio']:.2f}x (per triple {a['ratio_min']:.2f}-"
+                     f"{a['ratio_max']:.2f}); outputs identical: {a['identical']}")
     if "gpu" in r:
         g = r["gpu"]
         if "decode_vs_floor" in g:
@@ -302,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--against-gemm-rows", metavar="N|none",
+                    help="also time a pdlab engine whose CPU linears run MKL's GEMM from N rows (none: never)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time by this process's CPU time, not the wall clock (with --threads 1, steadier on a "
                          "shared machine)")

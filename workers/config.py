@@ -159,6 +159,15 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 POLICIES = ("prefill_first", "chunked")
 ROLES = ("colocated", "prefill", "decode")
 KV_STREAMS = ("off", "layer", "chunk")
+PANEL_ROWS = 256       # CPU kernels: under this many rows a linear always runs on the panel kernel (workers/ops.py)
+
+
+def check_gemm_rows(rows):
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < PANEL_ROWS):
+        raise ValueError(f"cpu_gemm_rows={rows!r}: choose auto, null (always the panel kernel) or a number of "
+                         f"rows of at least {PANEL_ROWS} (under that the panel kernel always runs)")
+    return rows
+
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,8 @@ class EngineConfig:
     attention: str = "auto"          # auto | cpu | flex | reference (workers/attention.py)
     compile: bool = False            # torch.compile the model (inductor)
     kernels: str = "auto"            # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
+    cpu_gemm_rows: int | str | None = "auto"   # CPU kernels: linears of this many rows on run MKL's GEMM,
+                                     # fewer the panel kernel (None: always it; auto: measured, workers/ops.py)
     cuda_graphs: bool = True         # on a GPU, replay decode-only steps from CUDA graphs (workers/cuda_graphs.py)
     kv_stream: str = "off"           # prefill role: off (export after the first token) | layer | chunk
 
@@ -191,6 +202,8 @@ class EngineConfig:
         for key in ("token_budget", "max_batch", "block_size", "kv_cache_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be positive")
+        if self.cpu_gemm_rows != "auto":
+            check_gemm_rows(self.cpu_gemm_rows)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -47,7 +47,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.cache, self.max_model_len, max_tokens=cfg.token_budget,
                                   max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
-                                  cuda_graphs=cfg.cuda_graphs, kernels=cfg.kernels)
+                                  cuda_graphs=cfg.cuda_graphs, kernels=cfg.kernels,
+                                  cpu_gemm_rows=cfg.cpu_gemm_rows)
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []          # this engine's steps, oldest first (take_trace drains it)
         self.num_steps = self.num_preempted = 0     # since the start, drained or not
@@ -110,7 +111,8 @@ class Engine:
         """What this engine holds on its device besides the weights: the KV pool (sized once, at
         start; whether Linux agreed to back it with huge pages), the step buffers, the CUDA graphs captured so far, and the weights' packed copies
         (the panel layout of the CPU kernels) and the layer outputs' reused buffers (CPU kernels only,
-        grown to the largest step so far)."""
+        grown to the largest step so far); `cpu_gemm_rows`: with the CPU kernels, the rows from which a
+        linear runs as MKL's GEMM (None: the panel kernel at every size, or not the CPU kernels)."""
         graphs = self.runner.graphs
         return {"kv_pool_bytes": self.cache.nbytes, "kv_pool_huge_pages": self.cache.huge_pages,
                 "num_kv_blocks": self.blocks.num_blocks,
@@ -119,7 +121,8 @@ class Engine:
                 "cuda_graphs": sorted(graphs.graphs) if graphs else [],
                 "packed_weight_bytes": self.runner.ops.packed_bytes,
                 "activation_buffer_bytes": self.runner.ops.workspace_bytes + self.runner.backend.workspace_bytes,
-                "attention": self.runner.backend.name, "kernels": self.runner.ops.name, "compiled": self.cfg.compile}
+                "attention": self.runner.backend.name, "kernels": self.runner.ops.name, "compiled": self.cfg.compile,
+                "cpu_gemm_rows": getattr(self.runner.ops, "gemm_rows", None)}
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent | RequestFailed]:

@@ -64,13 +64,14 @@ class StepBuffers:
 
 class ModelRunner:
     def __init__(self, model: Llama, cache: KVCache, max_model_len: int, max_tokens: int, max_seqs: int,
-                 attention: str = "auto", compile: bool = False, cuda_graphs: bool = True, kernels: str = "auto"):
+                 attention: str = "auto", compile: bool = False, cuda_graphs: bool = True, kernels: str = "auto",
+                 cpu_gemm_rows: int | str | None = "auto"):
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
         self.backend = make_backend(attention, self.device, cache.dtype)
-        self.ops = make_ops(kernels, model, self.device, cache.dtype, compile)
+        self.ops = make_ops(kernels, model, self.device, cache.dtype, compile, cpu_gemm_rows)
         model.set_max_len(max_model_len, self.device)
         self.buffers = StepBuffers(max_tokens, max_seqs, -(-max_model_len // self.block_size), self.device)
         self.times = StepTimes()

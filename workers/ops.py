@@ -8,22 +8,31 @@ the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype
   its data. Linear layers of a decode-sized step (under 256 rows) run cpu_ops.c's panel kernel on
   weights packed once at start: at those rows a linear streams its weights from memory, and the
   kernel keeps that stream moving (measured here: 0.67x oneDNN's packed linear at 16 rows, 0.87x
-  at 64). Larger steps run MKL's GEMM on the weights as they are. The packed copies double the
-  memory the weights take; `Engine.memory()` reports them. A layer's outputs go into buffers
+  at 64). From `gemm_rows` rows on they run MKL's GEMM on the weights as they are. Where MKL's
+  GEMM is fast (an Intel Xeon: from 256 rows) that is 256; where it is not, more or never (an AMD
+  EPYC, where MKL took 2.3x the panel kernel's time at 128 to 1024 rows of the tiny model), so by
+  default (`engine.cpu_gemm_rows=auto`) it is measured once per process on the model's own layers
+  (`measure_gemm_rows`). The packed copies double the memory the weights take; `Engine.memory()`
+  reports them, and the rows chosen. A layer's outputs go into buffers
   reused from step to step (`cpu_kernels.Workspace`), so a prefill step does not fault in tens of
   fresh megabytes per layer; they grow to the largest step seen, then stay put.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 from workers.attention import AttentionMetadata, store_kv
+from workers.config import check_gemm_rows
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "cpu")
+GEMM_CANDIDATES = (256, 512, 1024)
+GEMM_MARGIN = 1.15                   # the panel kernel takes rows from MKL only when this much faster
+_measured: dict = {}                 # (layer shapes, torch threads) -> (gemm_rows, timings): once a process
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -71,12 +80,11 @@ class TorchOps:
 
 
 class CpuOps(TorchOps):
+    """`gemm_rows`: a linear of this many rows or more runs as MKL's GEMM, fewer on the panel kernel
+    (None: always the panel kernel); "auto": `measure_gemm_rows` on the model's first layer."""
     name = "cpu"
-    # From this many rows on, a linear runs as MKL's GEMM (compute-bound: MKL's blocking wins);
-    # below it, as cpu_ops.c's panel kernel, which streams its packed weights at memory speed.
-    BUFFERED_ROWS = 256
 
-    def __init__(self, model):
+    def __init__(self, model, gemm_rows: int | str | None = "auto"):
         from workers import cpu_kernels
         self._k = cpu_kernels
         self.workspace = cpu_kernels.Workspace()
@@ -93,6 +101,13 @@ class CpuOps(TorchOps):
                       ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))}
         self._norm_out = {id(n.weight) for layer in model.layers for n in (layer.input_layernorm,
                                                                             layer.post_attention_layernorm)}
+        self.gemm_timings: list = []
+        if gemm_rows == "auto":
+            layer = model.layers[0]
+            gemm_rows, self.gemm_timings = measure_gemm_rows(
+                [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj])
+        self.gemm_rows = check_gemm_rows(gemm_rows)
+        self._gemm_from = self.gemm_rows or float("inf")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         packed = self._packed.get(id(weight))
@@ -100,7 +115,7 @@ class CpuOps(TorchOps):
             return F.linear(x, weight)
         rows, name = x.shape[0], self._out.get(id(weight))
         out = None if name is None else self.workspace.get(name, rows, weight.shape[0])
-        if rows >= self.BUFFERED_ROWS:
+        if rows >= self._gemm_from:
             return torch.mm(x, weight.t(), out=out)
         return self._k.linear_small(x.contiguous(), packed, weight.shape[0], out=out)
 
@@ -134,7 +149,63 @@ class CpuOps(TorchOps):
         return self.workspace.nbytes
 
 
-def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile: bool):
+def pick_gemm_rows(timings: list[tuple[int, float, float]], margin: float = GEMM_MARGIN) -> int | None:
+    """From (rows, panel kernel's time, MKL's time) in increasing rows: the first rows at which the panel
+    kernel is not `margin` times faster than MKL (MKL from there on: it only gains with rows), or
+    None where it is at every rows measured (the panel kernel from then on too)."""
+    for rows, panel, gemm in timings:
+        if panel * margin > gemm:
+            return rows
+    return None
+
+
+def measure_gemm_rows(weights: list[torch.Tensor], candidates=GEMM_CANDIDATES, rounds: int = 3,
+                      budget_s: float = 0.25) -> tuple[int | None, list]:
+    """(gemm_rows, [(rows, panel s, MKL s), ...]) for these linears (one layer's, [N, K] each, at most 512
+    output columns of each measured, so a large model measures in about the same time): at each
+    candidate rows, both routes timed on random input, alternating, `rounds` times after a warm-up, the
+    fastest of each kept, until one says MKL or `budget_s` is spent (the last measured then stands for
+    the rest). Measured once per process for a given set of shapes and torch threads."""
+    from workers import cpu_kernels
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads(), tuple(candidates))
+    if key in _measured:
+        return _measured[key]
+    ws = [w.detach()[:512].contiguous() for w in weights]
+    packed = [cpu_kernels.pack_linear(w) for w in ws]
+    timings, start = [], time.perf_counter()
+    with torch.no_grad():
+        for rows in candidates:
+            xs = [torch.randn(rows, w.shape[1]) for w in ws]
+            outs = [torch.empty(rows, w.shape[0]) for w in ws]
+
+            def panel():
+                for x, p, w, o in zip(xs, packed, ws, outs):
+                    cpu_kernels.linear_small(x, p, w.shape[0], out=o)
+
+            def gemm():
+                for x, w, o in zip(xs, ws, outs):
+                    torch.mm(x, w.t(), out=o)
+
+            routes, best = (panel, gemm), [float("inf"), float("inf")]
+            for k in range(rounds + 1):
+                for i in ((0, 1) if k % 2 else (1, 0)):
+                    t0 = time.perf_counter()
+                    routes[i]()
+                    if k:
+                        best[i] = min(best[i], time.perf_counter() - t0)
+            timings.append((rows, best[0], best[1]))
+            if pick_gemm_rows(timings[-1:]) is not None or time.perf_counter() - start > budget_s:
+                break
+    chosen = pick_gemm_rows(timings)
+    log.info("CPU linears: %s (the panel kernel's time / MKL's: %s)",
+             f"MKL's GEMM from {chosen} rows" if chosen is not None else "the panel kernel at every size",
+             ", ".join(f"{p / g:.2f} at {r}" for r, p, g in timings))
+    _measured[key] = (chosen, timings)
+    return _measured[key]
+
+
+def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile: bool,
+             gemm_rows: int | str | None = "auto"):
     """`auto`: `cpu` for an eager float32 model on a CPU whose kernels build; `torch` otherwise (a GPU, another dtype, or a compiled model, which inductor fuses)."""
     if name not in KERNELS:
         raise ValueError(f"kernels={name!r}: choose one of {list(KERNELS)}")
@@ -150,4 +221,4 @@ def make_ops(name: str, model, device: torch.device, dtype: torch.dtype, compile
             raise ValueError("kernels=cpu: the CPU kernels could not be built (see the warning)")
         log.warning("no CPU kernels: the model runs on torch's own ops")
         return TorchOps()
-    return CpuOps(model)
+    return CpuOps(model, gemm_rows)

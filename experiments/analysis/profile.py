@@ -287,6 +287,7 @@ def run(cfg, out_dir: Path) -> dict:
     bench = StepBench(model, max(g.batches), max(g.contexts), max(g.starts) + max(g.chunks))
     cells = grid_cells(list(g.batches), list(g.contexts), list(g.chunks), list(g.starts))
     samples, m_steps = timed(measure_steps, bench, cells, cfg.repeats)
+    gemm_rows = bench.engine.memory()["cpu_gemm_rows"]     # the linears' route the steps were timed on
     del bench
     steps = fit_steps(samples)
     e = steps["fit_error"]
@@ -305,7 +306,8 @@ def run(cfg, out_dir: Path) -> dict:
     model_d = LinearStepModel(steps["coef"], gap["gap_coef"], name=f"{cfg.model.name} on {machine_name()}").to_dict()
     prof = {"kind": "pdlab-profile", "hardware": machine_name(), "device": str(device), "model": cfg.model.name,
             "dtype": dname, "threads": threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "step_model": model_d, "fit_error": steps["fit_error"], "repeat_noise": steps["repeat_noise"],
+            "cpu_gemm_rows": gemm_rows, "step_model": model_d, "fit_error": steps["fit_error"],
+            "repeat_noise": steps["repeat_noise"],
             "grid": {"batches": list(g.batches), "contexts": list(g.contexts), "chunks": list(g.chunks),
                      "starts": list(g.starts), "repeats": cfg.repeats, "cells": steps["cells"]},
             "gap": gap, "handoff": {"export": handoff["export"], "import": handoff["import"], "measured": handoff},
