@@ -207,3 +207,30 @@ def test_validate_tells_a_simulated_value_inside_the_real_repeats_spread_from_on
     assert line["real_spread"]["a/ttft_mean"] == pytest.approx(4.0 / 12.0)
     assert line["real_spread"]["one/ttft_mean"] is None
     assert line["_inside"] == (1, 2)
+
+
+def test_validate_reads_which_route_the_cpu_linears_took_in_the_run_and_in_the_profile(tmp_path):
+    """A profile timed with the linears on MKL prices another engine than one whose workers chose the
+    panel kernel (engine.cpu_gemm_rows=auto chooses per machine); runs and profiles from before the
+    choice was recorded say so rather than guess."""
+    import json
+
+    from experiments.analysis.validate import linear_routes
+
+    def rep(name, *rows):
+        d = tmp_path / name
+        d.mkdir()
+        workers = [{"worker": f"w{i}"} | ({} if r == "-" else {"cpu_gemm_rows": r}) for i, r in enumerate(rows)]
+        (d / "metrics.json").write_text(json.dumps({"isolation": {"per_worker": workers}}))
+        return d
+
+    mkl, panel, old = tmp_path / "mkl.json", tmp_path / "panel.json", tmp_path / "old.json"
+    mkl.write_text(json.dumps({"cpu_gemm_rows": 256}))
+    panel.write_text(json.dumps({"cpu_gemm_rows": None}))
+    old.write_text("{}")
+    runs = [rep("a", None, None), rep("b", None, None)]
+    assert linear_routes(runs, panel) == {"run": ["panel kernel always"], "profile": "panel kernel always"}
+    assert linear_routes(runs, mkl) == {"run": ["panel kernel always"], "profile": "MKL from 256 rows"}
+    assert linear_routes([rep("c", 512, None)], old) == {"run": ["MKL from 512 rows", "panel kernel always"],
+                                                         "profile": "unrecorded"}
+    assert linear_routes([rep("d", "-")], mkl)["run"] == ["unrecorded"]

@@ -128,6 +128,20 @@ def raw_model(profile: Path):
     return LinearStepModel(step["coef"], terms=step.get("terms"))
 
 
+def _route(rows) -> str:
+    return "unrecorded" if rows == "unrecorded" else "panel kernel always" if rows is None else f"MKL from {rows} rows"
+
+
+def linear_routes(rep_dirs: list[Path], profile: Path) -> dict:
+    """The CPU linears' route (engine.cpu_gemm_rows as its workers chose it) of a run's workers and of
+    the profile's steps: a profile timed on the other route prices another engine."""
+    run = set()
+    for d in rep_dirs:
+        for w in (_metrics(d).get("isolation") or {}).get("per_worker") or [{}]:
+            run.add(_route(w.get("cpu_gemm_rows", "unrecorded")))
+    return {"run": sorted(run), "profile": _route(json.loads(Path(profile).read_text()).get("cpu_gemm_rows", "unrecorded"))}
+
+
 def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
              calibration: Path | None = None, use_speed: bool = True, against: Path | None = None) -> dict:
     points = [p for p in find_points(run_dir) if p.metrics is not None]
@@ -141,8 +155,9 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
     groups: dict[Path, list] = {}
     for p in points:
         groups.setdefault(Path(profile or profile_for(_spec(p.repeats[0]))), []).append(p)
-    speed_of = {}                       # the run's speed, over the repeats of the points of one profile
+    speed_of, routes = {}, {}           # the run's speed, over the repeats of the points of one profile
     for path, ps in groups.items():
+        routes.update({p.rel: linear_routes(p.repeats, path) for p in ps})
         speed = run_speed([d for p in ps for d in p.repeats], raw_model(path)) if use_speed and against is None else None
         speed_of.update({p.rel: speed for p in ps})
     results = []
@@ -160,7 +175,8 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
                         "repeats": len(reps), "real": real, "sim": sim, "error": err, "real_range": spread,
                         "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
-                        "speed": reps[0][2]["speed_used"], "run_speed": speed_of[p.rel]})
+                        "speed": reps[0][2]["speed_used"], "run_speed": speed_of[p.rel],
+                        "linears": routes[p.rel]})
     return {"points": results}
 
 
@@ -255,6 +271,12 @@ def print_table(result: dict) -> None:
     if against_mode(result):
         print(f"compared with {c['source']}, not simulated")
         return
+    for p in result["points"]:
+        lin = p["linears"]
+        known = [r for r in lin["run"] if r != "unrecorded"]
+        if lin["profile"] != "unrecorded" and known and known != [lin["profile"]]:
+            print(f"{p['label']}: the run's CPU linears took {' and '.join(known)}, the profile's steps "
+                  f"{lin['profile']}: it prices another engine (python -m experiments.profile on this one)")
     fe = c.get("fit_error") or {}
     print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
           f"{fe.get('p90_abs', float('nan')):.1%}; {c.get('seeds')} noise seed(s) per repeat")
