@@ -14,7 +14,8 @@
 4. Transfers: `cluster.transfer_bench` at a few payload sizes, `transfer_repeats` times; per backend
    the median seconds per transfer at each size are fitted as latency + bytes / bandwidth.
 5. Serving calibration (calibrate=true): a short real run of the three default layouts on this
-   machine (its own seed, not a run anything is validated against) gives the router's message
+   machine (its own seed, not a run anything is validated against; `calibration.repeats` times
+   round-robin, so it reads the machine at several moments) gives the router's message
    latencies (dispatch: submit to the worker's first step of a request that found its worker idle;
    return: a first token's step end to the router) and how much slower steps run while serving than in
    isolation (`scale`: the median ratio of measured to fitted step time over the calibration run's
@@ -257,9 +258,11 @@ def timed(fn, *args, **kwargs):
 
 # -- 5. serving calibration and the command ----------------------------------------------------------
 def calibration_run(out: Path, cfg) -> Path:
-    """The three default layouts served once on this machine with the calibration's own seed."""
+    """The three default layouts served on this machine with the calibration's own seed, `repeats`
+    times round-robin (A B C A B C ...), so the calibration reads the machine at several moments."""
     c = cfg.calibration
-    cmd = [sys.executable, "-m", "experiments.run", f"model={cfg.model.name}", "repeats=1", "report=false",
+    cmd = [sys.executable, "-m", "experiments.run", f"model={cfg.model.name}", f"repeats={c.get('repeats', 1)}",
+           "report=false",
            f"seed={c.seed}", f"workload.num_requests={c.num_requests}", f"workload.rate={c.rate}",
            f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -316,8 +319,9 @@ def run(cfg, out_dir: Path) -> dict:
     if cfg.calibrate:
         run_dir, m_cal = timed(calibration_run, out_dir / "calibration", cfg)
         cal = calibrate([run_dir], LinearStepModel(steps["coef"], gap["gap_coef"]))
-        prof["serving"] = cal | {"source": f"python -m experiments.run seed={cfg.calibration.seed} (three layouts, "
-                                           f"{cfg.calibration.num_requests} requests at {cfg.calibration.rate}/s)"}
+        c = cfg.calibration
+        prof["serving"] = cal | {"source": f"python -m experiments.run seed={c.seed} (three layouts, "
+                                           f"{c.get('repeats', 1)} x {c.num_requests} requests at {c.rate}/s)"}
         prof["machine"]["calibration"] = m_cal
         sd = cal["slowdown"]
         print(f"5/5 serving: dispatch {cal['dispatch_s'] * 1e3:.2f} ms, return {cal['return_s'] * 1e3:.2f} ms, gap "
@@ -361,9 +365,10 @@ def refit(cfg) -> dict:
     run_dir = cfg.calibration.get("run_dir")
     if run_dir:
         cal = calibrate([Path(run_dir)], LinearStepModel(steps["coef"], gap_coef))
-        prof["serving"] = cal | {"source": f"calibration run {run_dir} (python -m experiments.run seed="
-                                           f"{cfg.calibration.seed}, three layouts, {cfg.calibration.num_requests} "
-                                           f"requests at {cfg.calibration.rate}/s)"}
+        c = cfg.calibration
+        prof["serving"] = cal | {"source": f"calibration run {run_dir} (python -m experiments.run seed={c.seed}, "
+                                           f"three layouts, {c.get('repeats', 1)} x {c.num_requests} requests at "
+                                           f"{c.rate}/s)"}
         print(f"serving calibrated from {run_dir} (other processes used {cal['other_cores'] or 0:.2f} cores)")
     elif prof.get("serving"):
         print("warning: the serving calibration was made against the old step model; give calibration.run_dir")
