@@ -76,7 +76,8 @@ class EngineOptions:
     compile: bool = False        # torch.compile the model
     cuda_graphs: bool = True     # GPU: replay decode-only steps from CUDA graphs
     kernels: str = "auto"        # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
-    cpu_gemm_rows: int | str | None = "auto"   # CPU kernels: MKL's GEMM from this many rows (null: never; auto: measured)
+    cpu_gemm_rows: int | str | None = "auto"   # CPU kernels: MKL's GEMM from this many rows (null: never;
+                                               # auto: measured, workers/ops.py)
 
     def __post_init__(self):
         from workers.attention import BACKENDS

@@ -41,7 +41,8 @@ def test_overlap_bench_hides_the_transfer_and_keeps_the_tokens(tmp_path):
 
 def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "workers.bench", "--case", "mixed", "--shape", "64,2,4,2,128,256",
-                           "--repeats", "1", "--threads", "1", "--against-gemm-rows", "256"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--repeats", "1", "--threads", "1", "--against-gemm-rows", "256"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PDLAB_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     (r,) = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
@@ -51,7 +52,7 @@ def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path)
     assert r["compute_floor_s"] > r["matmul_floor_s"] and r["max_speedup_compute"] < r["max_speedup"]
     a = r["against"]                     # the same engine with its prompt steps' linears on MKL's GEMM
     assert a["cpu_gemm_rows"] == 256 and a["identical"] and a["ratio"] > 0
-    assert "linears: " in proc.stdout and "against MKL from 256 rows" in proc.stdout
+    assert "linears: " in proc.stdout and "against MKL's GEMM from 256 rows" in proc.stdout
     b = r["breakdown"]
     assert b["decode"]["steps"] == 63 and b["decode"]["tokens_per_step"] == 16     # 64 tokens: 1 from the prefill
     assert b["prefill"]["steps"] * 2048 >= 16 * 256

@@ -335,6 +335,7 @@ def test_the_handoff_fit_prices_the_time_its_sender_steps_beside_it():
     assert fit["busy"] == pytest.approx(1.6, rel=0.01) and fit["num_busy"] == 100
     assert min(fit["noise"]) == pytest.approx(1.0) and max(fit["noise"]) == pytest.approx(1.0)
 
+
 def test_the_profile_s_calibration_serves_its_layouts_round_robin_as_often_as_asked(tmp_path, monkeypatch):
     """calibration.repeats: the calibration run serves the three layouts that many times, num_requests
     each (one repeat of a calibration run read a moment of the machine that later runs were not at);
@@ -353,7 +354,8 @@ def test_the_profile_s_calibration_serves_its_layouts_round_robin_as_often_as_as
                             "calibration": {"seed": 7, "num_requests": 80, "repeats": 3, "rate": 8.0}})
     assert profile.calibration_run(tmp_path / "cal", cfg) == tmp_path / "cal"
     (cmd,) = seen
-    assert {"repeats=3", "workload.num_requests=80", "seed=7", "workload.rate=8.0", f"hydra.run.dir={tmp_path / 'cal'}"} <= set(cmd)
+    assert {"repeats=3", "workload.num_requests=80", "seed=7", "workload.rate=8.0",
+            f"hydra.run.dir={tmp_path / 'cal'}"} <= set(cmd)
     Done.returncode, Done.stderr = 1, "boom\nValueError: the last line"
     with pytest.raises(RuntimeError, match="the last line"):
         profile.calibration_run(tmp_path / "cal2", cfg)

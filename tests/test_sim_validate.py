@@ -229,8 +229,9 @@ def test_validate_reads_which_route_the_cpu_linears_took_in_the_run_and_in_the_p
     panel.write_text(json.dumps({"cpu_gemm_rows": None}))
     old.write_text("{}")
     runs = [rep("a", None, None), rep("b", None, None)]
-    assert linear_routes(runs, panel) == {"run": ["panel kernel always"], "profile": "panel kernel always"}
-    assert linear_routes(runs, mkl) == {"run": ["panel kernel always"], "profile": "MKL from 256 rows"}
-    assert linear_routes([rep("c", 512, None)], old) == {"run": ["MKL from 512 rows", "panel kernel always"],
+    every = "the panel kernel at every size"
+    assert linear_routes(runs, panel) == {"run": [every], "profile": every}
+    assert linear_routes(runs, mkl) == {"run": [every], "profile": "MKL's GEMM from 256 rows"}
+    assert linear_routes([rep("c", 512, None)], old) == {"run": ["MKL's GEMM from 512 rows", every],
                                                          "profile": "unrecorded"}
     assert linear_routes([rep("d", "-")], mkl)["run"] == ["unrecorded"]

@@ -10,7 +10,8 @@ on a shared machine hits both alike. Printed per case: the median time of each, 
 spread of the per-pair ratios, whether every output token matched, pdlab's step-time breakdown
 (prepare / forward / sample), and the matmul floor: the time the case's matrix multiplications
 alone take here, measured per step shape after the timed runs, by the faster of torch's linear and
-(CPU, float32) pdlab's panel kernel (HF's time over it is the most any engine doing those matmuls could gain), then that floor with attention's FLOPs added at the
+(CPU, float32) pdlab's panel kernel (HF's time over it is the most any engine doing those matmuls
+could gain), then that floor with attention's FLOPs added at the
 matmuls' own rate (a bound no attention kernel reaches). On a GPU it also prints the decode step against the HBM floor and the
 prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
 With `--against-gemm-rows N` (CPU kernels), a second pdlab engine whose linears run MKL's GEMM from N
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from workers.config import PRESETS, EngineConfig, ModelConfig
+from workers.config import PRESETS, EngineConfig, ModelConfig, gemm_route
 from workers.engine import Engine
 from workers.request import SamplingParams
 from workers.weights import build_model, parse_device, resolve_dtype
@@ -302,8 +303,9 @@ def report(r: dict) -> str:
                          f"median = prepare {k['prepare_ms']:.2f} + forward {k['forward_ms']:.2f} + sample "
                          f"{k['sample_ms']:.2f}")
     if "against" in r:
-        a, route = r["against"], lambda rows: "the panel kernel always" if rows is None else f"MKL from {rows} rows"
-        lines.append(f"  linears: {route(r['cpu_gemm_rows'])} (measured); against {route(a['cpu_gemm_rows'])}: "
+        a = r["against"]
+        lines.append(f"  linears: {gemm_route(r['cpu_gemm_rows'])} (measured); against "
+                     f"{gemm_route(a['cpu_gemm_rows'])}: "
                      f"{a['s']:.2f} s, pdlab / it {a['ratio']:.2f}x (per triple {a['ratio_min']:.2f}-"
                      f"{a['ratio_max']:.2f}); outputs identical: {a['identical']}")
     if "gpu" in r:

@@ -162,6 +162,11 @@ KV_STREAMS = ("off", "layer", "chunk")
 PANEL_ROWS = 256       # CPU kernels: under this many rows a linear always runs on the panel kernel (workers/ops.py)
 
 
+def gemm_route(rows: int | None) -> str:
+    """engine.cpu_gemm_rows (as chosen) in words."""
+    return "the panel kernel at every size" if rows is None else f"MKL's GEMM from {rows} rows"
+
+
 def check_gemm_rows(rows):
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < PANEL_ROWS):
         raise ValueError(f"cpu_gemm_rows={rows!r}: choose auto, null (always the panel kernel) or a number of "
@@ -220,4 +225,4 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 __all__ = ["CheckpointError", "RopeScaling", "ModelConfig", "PRESETS", "preset", "from_hf_config",
-           "EngineConfig", "POLICIES", "ROLES", "blocks_for"]
+           "EngineConfig", "POLICIES", "ROLES", "blocks_for", "gemm_route", "check_gemm_rows"]

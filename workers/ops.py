@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import AttentionMetadata, store_kv
-from workers.config import check_gemm_rows
+from workers.config import check_gemm_rows, gemm_route
 
 log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "cpu")
@@ -197,8 +197,7 @@ def measure_gemm_rows(weights: list[torch.Tensor], candidates=GEMM_CANDIDATES, r
             if pick_gemm_rows(timings[-1:]) is not None or time.perf_counter() - start > budget_s:
                 break
     chosen = pick_gemm_rows(timings)
-    log.info("CPU linears: %s (the panel kernel's time / MKL's: %s)",
-             f"MKL's GEMM from {chosen} rows" if chosen is not None else "the panel kernel at every size",
+    log.info("CPU linears: %s (the panel kernel's time / MKL's: %s)", gemm_route(chosen),
              ", ".join(f"{p / g:.2f} at {r}" for r, p, g in timings))
     _measured[key] = (chosen, timings)
     return _measured[key]

@@ -40,6 +40,7 @@ from experiments.sim.backend import outputs, profile_for, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival
 from experiments.sim.stepmodel import LinearStepModel
+from workers.config import gemm_route
 
 SEEDS = 25
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
@@ -129,7 +130,7 @@ def raw_model(profile: Path):
 
 
 def _route(rows) -> str:
-    return "unrecorded" if rows == "unrecorded" else "panel kernel always" if rows is None else f"MKL from {rows} rows"
+    return "unrecorded" if rows == "unrecorded" else gemm_route(rows)
 
 
 def linear_routes(rep_dirs: list[Path], profile: Path) -> dict:
@@ -139,7 +140,8 @@ def linear_routes(rep_dirs: list[Path], profile: Path) -> dict:
     for d in rep_dirs:
         for w in (_metrics(d).get("isolation") or {}).get("per_worker") or [{}]:
             run.add(_route(w.get("cpu_gemm_rows", "unrecorded")))
-    return {"run": sorted(run), "profile": _route(json.loads(Path(profile).read_text()).get("cpu_gemm_rows", "unrecorded"))}
+    profiled = json.loads(Path(profile).read_text()).get("cpu_gemm_rows", "unrecorded")
+    return {"run": sorted(run), "profile": _route(profiled)}
 
 
 def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
