@@ -226,12 +226,12 @@ def test_drift_fit_recovers_the_weight_and_time_constant_of_a_drifting_series():
 def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_path):
     """A run simulated with known costs (a step from idle 1.5x or 1.3x slower, the two decode steps after
     a prefill 1.4x and 1.2x, a decode step beside another busy worker's decode 1.3x, beside its prefill
-    1.1x, a prefill beside either 1.15x, a 40 us gap after a step
+    1.1x, a prefill beside either 1.15x, a prompt step right after another 0.8x, a 40 us gap after a step
     that makes no token, 130 us after others, no noise) written as a real run's files; calibrating the
     profile's isolated model on them gives those costs back."""
     prof = json.loads(next((ROOT / "profiles").glob("*/tiny-float32-1t.json")).read_text())
     given = {"after_idle": {"decode": 1.5, "prefill": 1.3}, "after_prefill": [1.4, 1.2],
-             "contention": {"decode": {"decode": 1.3, "prefill": 1.1}, "prefill": 1.15}}
+             "contention": {"decode": {"decode": 1.3, "prefill": 1.1}, "prefill": 1.15}, "after_prompt": 0.8}
     prof["serving"] = {"return_s": 1e-3, "dispatch_s": 1e-3, "gap_s": 130e-6, "gap_quiet_s": 40e-6,
                        "slowdown": None, "noise": None, "handoff": {}} | given
     path = tmp_path / "profile.json"
@@ -245,6 +245,7 @@ def test_calibration_recovers_the_serving_costs_a_simulated_run_was_given(tmp_pa
     for kind, x in given["after_idle"].items():
         assert curve_at(cal["after_idle"][kind], 0.1) == pytest.approx(x, rel=0.05), kind
     assert cal["after_prefill"][:2] == pytest.approx([1.4, 1.2], rel=0.05)
+    assert cal["after_prompt"] == pytest.approx(0.8, rel=0.05)
     assert cal["after_prefill"][2:] == pytest.approx([1.0] * len(cal["after_prefill"][2:]), rel=0.05)
     assert cal["contention"]["decode"] == pytest.approx({"decode": 1.3, "prefill": 1.1}, rel=0.05)
     assert cal["contention"]["prefill"]["decode"] == pytest.approx(1.15, rel=0.05)

@@ -46,6 +46,9 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
     landing): its threads serialise, send or receive it beside the step: 1.47x for a decode worker's
     step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
     (read at the start, contention had left 1.14x here);
+- after_prompt: a step with prompt tokens right after the worker's last one, not from idle (mostly
+    a prompt's next chunk, its caches warm: 0.72x in the AMD EPYC's calibration of 14:31), left out
+    of the slowdown curve, which decode steps make; the other factors are read without it;
 - prefill_size: what the factors above leave of the steps with prompt tokens, per bin of their
     predicted time, never rising with it (0.95x at 51 ms at the calibration of 01:45: one linear fit
     over every prompt size priced the longest too high);
@@ -155,6 +158,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             place = ident["places"].get(worker)
             seen = {kind: len(v) for kind, v in steps_seen.items()}
             idle, since = after_idle(ss), since_prefill(ss)      # idle: {id: seconds idle before}
+            warm = {id(b) for a, b in zip(ss, ss[1:]) if a["num_prefill_tokens"] and b["num_prefill_tokens"]}
             role = worker.partition(":")[0]
             made = token_steps(rows, worker, ss)
             for cur, nxt in zip(ss, ss[1:]):
@@ -165,7 +169,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                 measured = (s["end_s"] - s["start_s"]) / at["prefill" if p else "decode"]
                 k, prompt = since.get(id(s), (NEVER, 0))
                 busy, prefilling = overlap.get(id(s), (0.0, 0.0))
-                state = State(idle.get(id(s)), k, busy, prefilling, id(s) in in_transfer, role, prompt)
+                state = State(idle.get(id(s)), k, busy, prefilling, id(s) in in_transfer, role, prompt, id(s) in warm)
                 if b and not p:
                     context = max(0, s["num_blocks_used"] * block_size - b * block_size // 2)
                     steps_seen["decode"].append((model.time(chunk_features(b, context, [])), measured, state))
@@ -175,7 +179,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
                     steps_seen["prefill"].append((model.time(f), measured, state))
             if not whole:
                 steps_seen["prefill"] += [
-                    (p, m / at["prefill"], State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0))
+                    (p, m / at["prefill"], State(idle.get(id(s)), NEVER, *overlap.get(id(s), (0.0, 0.0)), False, role, 0,
+                                                 id(s) in warm))
                     for p, m, s in chunk_steps(rows, {worker: ss}, model, block_size)]
             for kind, v in steps_seen.items():
                 places[kind] += [place] * (len(v) - seen[kind])
@@ -209,7 +214,7 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             "after_prefill": factors["after_prefill"], "after_prefill_by_size": factors["after_prefill_by_size"],
             "contention": factors["contention"],
             "after_idle_by_role": factors["after_idle_by_role"], "kv_transfer": factors["kv_transfer"],
-            "prefill_size": factors["prefill_size"],
+            "prefill_size": factors["prefill_size"], "after_prompt": factors["after_prompt"],
             "by_place": by_place,
             "noise": noise, "drift": drift_fit(residual["decode"], decode_at),
             "other_cores": statistics.median(others) if others else None,

@@ -70,7 +70,8 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
         step["slowdown"] = serving.get("slowdown")
         step["gap_coef"] = [serving.get("gap_s", step["gap_coef"][0]), step["gap_coef"][1]]
         step["gap_quiet"], step["after_idle"] = serving.get("gap_quiet_s"), serving.get("after_idle")
-        for key in ("after_prefill", "after_prefill_by_size", "contention", "kv_transfer", "by_place", "prefill_size"):
+        for key in ("after_prefill", "after_prefill_by_size", "contention", "kv_transfer", "by_place", "prefill_size",
+                    "after_prompt"):
             step[key] = serving.get(key)
     model = model_from_dict(step)
     check_finite(model)

@@ -152,6 +152,8 @@ class SimEngine:
         if idle_s is not None and hasattr(self.model, "idle_factor"):
             d *= self.model.idle_factor(kind, idle_s)
         d *= self.contention(kind, beside) * self.own_factor(kind)
+        if kind == "prefill" and idle_s is None and self.since_prefill == 0:     # right after a prompt step
+            d *= getattr(self.model, "after_prompt", None) or 1.0
         if in_transfer:
             d *= self.transfer_factor(kind)
         echo = self._echo()

@@ -105,6 +105,8 @@ class LinearStepModel:
                                            # workers, the order their cores are handed out) takes x, y longer
     prefill_size: dict | None = None       # {"pred_s": [...], "ratio": [...]}: a step with prompt tokens takes
                                            # that much longer, by its predicted time (curve_at)
+    after_prompt: float | None = None      # a step with prompt tokens right after the worker's last step with
+                                           # some (not from idle) takes that much longer (a warm cache: under 1)
 
     kind = "linear"
 
@@ -161,7 +163,7 @@ class LinearStepModel:
                 "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
                 "after_prefill": self.after_prefill, "contention": self.contention,
                 "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size,
-                "by_place": self.by_place, "prefill_size": self.prefill_size}
+                "by_place": self.by_place, "prefill_size": self.prefill_size, "after_prompt": self.after_prompt}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -190,6 +192,7 @@ class RooflineStepModel:
 
     kind = "roofline"
     after_prefill = after_prefill_by_size = contention = kv_transfer = by_place = None    # a datasheet GPU: no serving calibration
+    after_prompt = None
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         return 1.0
@@ -341,7 +344,8 @@ def model_from_dict(d: dict, cfg: ModelConfig | None = None):
                                d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
                                d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
                                d.get("contention"), d.get("kv_transfer"),
-                               d.get("after_prefill_by_size"), d.get("by_place"), d.get("prefill_size"))
+                               d.get("after_prefill_by_size"), d.get("by_place"), d.get("prefill_size"),
+                               d.get("after_prompt"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")
