@@ -158,7 +158,8 @@ def calibrate(run_dirs: list[Path], model, block_size: int = 16, per_bin: int = 
             place = ident["places"].get(worker)
             seen = {kind: len(v) for kind, v in steps_seen.items()}
             idle, since = after_idle(ss), since_prefill(ss)      # idle: {id: seconds idle before}
-            warm = {id(b) for a, b in zip(ss, ss[1:]) if a["num_prefill_tokens"] and b["num_prefill_tokens"]}
+            warm = {id(b) for a, b in zip(ss, ss[1:])           # a prompt step right after one, not from idle
+                    if a["num_prefill_tokens"] and b["num_prefill_tokens"] and idle.get(id(b)) is None}
             role = worker.partition(":")[0]
             made = token_steps(rows, worker, ss)
             for cur, nxt in zip(ss, ss[1:]):

@@ -40,7 +40,7 @@ class State(NamedTuple):
     transfer: bool              # a KV transfer from or to its worker was in flight
     role: str                   # its worker's role
     prompt: int                 # prompt tokens of the worker's last step with some (0: none yet)
-    after_prompt: bool = False  # a step with prompt tokens whose worker's step before it had some too
+    after_prompt: bool = False  # a step with prompt tokens right after its worker's last one, not from idle
 
 
 def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
@@ -73,11 +73,9 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
     ratios = {kind: [(m / curve._slowed(p), st) for p, m, st in v] for kind, v in steps_seen.items()}
     # a prompt step straight after the worker's last one (the next chunk of a prompt, mostly) finds
     # its caches warm: on an AMD EPYC here such lone chunks ran 1.06x the profile, 0.79x the curve
-    warm = [x for x, st in ratios["prefill"] if st.after_prompt and st.idle is None and st.busy <= ALONE
-            and not st.transfer]
+    warm = [x for x, st in ratios["prefill"] if st.after_prompt and st.busy <= ALONE and not st.transfer]
     after_prompt = statistics.median(warm) if len(warm) >= per_bin else 1.0
-    ratios["prefill"] = [(x / after_prompt if st.after_prompt and st.idle is None else x, st)
-                         for x, st in ratios["prefill"]]
+    ratios["prefill"] = [(x / after_prompt if st.after_prompt else x, st) for x, st in ratios["prefill"]]
 
     def med(xs):
         return statistics.median(xs) if len(xs) >= per_bin else 1.0
