@@ -44,11 +44,17 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def parse_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but torch sees no CUDA device")
+    """`auto`, `cpu`, `cuda` or `cuda:N` -> a device; a GPU always with its index (`cuda` is the
+    current device, cuda:0 in a worker that Ray gave one GPU), so that set_device, streams and
+    memory queries all name the same one."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name!r} but torch sees no CUDA device")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={name!r} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
     return device
 
 
