@@ -71,6 +71,8 @@ def store_kv(pool, layer, slot_mapping, k, v) -> None:
 class ReferenceAttention:
     name = "reference"
     workspace_bytes = 0
+    graph_safe = False       # reads host-side lengths: a captured graph would replay the capture's
+    static_shapes = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         pass
@@ -94,6 +96,8 @@ class ReferenceAttention:
 
 class CpuPagedAttention:
     name = "cpu"
+    graph_safe = False
+    static_shapes = False
 
     def __init__(self):
         from workers import cpu_kernels   # registers torch.ops.pdlab.paged_attention
@@ -114,42 +118,71 @@ class CpuPagedAttention:
         return self.workspace.nbytes
 
 
+def size_bucket(n: int) -> int:
+    """The smallest of 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x them) >= n: the
+    padded sizes a compiled kernel or a CUDA graph sees, so a few shapes cover every step."""
+    if n <= 16:
+        return 1 << max(0, n - 1).bit_length()
+    p = 1 << (n - 1).bit_length()            # the power of two at or above n
+    return p * 3 // 4 if n <= p * 3 // 4 else p
+
+
 class FlexPagedAttention:
-    """Queries of each sequence are padded to whole tiles of Q_TILE rows, so a tile belongs to one
-    sequence and visits exactly its blocks: the block mask's KV indices for a tile are that
-    sequence's block table, and the KV block size is the pool's block size."""
+    """torch's flex_attention over the pool viewed as one long sequence [1, KVH, (NB + 1) * BS, D], with
+    block masks built on the device from the block tables; two calls per layer:
+    - the step's decodes as a batch of one-row queries [B, H, 1, D] (batch = sequence): each batch
+      entry's KV blocks are its block table, so the short-query decoding kernel splits the context;
+    - its prompt chunks as one flat query sequence, each chunk padded to whole tiles of `q_tile`
+      rows so that a tile belongs to one sequence and visits exactly that sequence's blocks.
+    The mask's KV block is the pool's page. On a GPU the kernels take pages of a power of two from
+    16 tokens (their BLOCK_N is set to divide the page), tiles of 128 rows (a multiple of every
+    BLOCK_M the Triton templates choose), and every shape is padded to a `size_bucket`, so a
+    server compiles a few kernels at start and none while serving."""
 
     name = "flex"
     workspace_bytes = 0
-    Q_TILE = 16
+    graph_safe = True        # a decode-only step prepares from device tensors alone (workers/cuda_graphs.py)
+    static_shapes = True     # wants the block tables at full width
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None, block_size: int = 16, q_tile: int | None = None,
+                 compile: str | None = None):
         from torch.nn.attention.flex_attention import flex_attention
-        self._flex = flex_attention
-        self._compiled = None
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            check_gpu_block_size(block_size)
+        self.q_tile = q_tile or (128 if cuda else 16)
+        self.kernel_options = {"BLOCK_N": min(block_size, 64)} if cuda else None
+        # eager flex materializes scores over the whole pool; a GPU always runs the compiled kernels
+        compile = compile or ("inductor" if cuda else None)
+        self.compiled = compile          # the torch.compile backend, or None: eager flex
+        self.num_compiles = 0            # graphs compiled so far (each padded shape once)
+        self.warmed = False              # set once the engine's warm-up compiled every expected shape
+        if compile is None:
+            self._flex = flex_attention
+        else:
+            import torch._dynamo.config as dynamo_config
+            # every bucket compiles once; past the limit dynamo would fall back to eager flex
+            # silently, so raise the limit well above the buckets and make hitting it an error
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+            dynamo_config.fail_on_recompile_limit_hit = True
+            self._flex = torch.compile(flex_attention, dynamic=False, backend=self._counting(compile))
+
+    def _counting(self, backend: str):
+        def compile_counted(gm, example_inputs):
+            self.num_compiles += 1
+            if self.warmed:
+                log.warning("flex attention compiled a shape while serving (%s): a step with more prompt "
+                            "chunks than the warm-up covered; its time includes the compile",
+                            [tuple(t.shape) for t in example_inputs[:1] if hasattr(t, "shape")])
+            if backend == "eager":
+                return gm.forward
+            from torch._dynamo.backends.registry import lookup_backend
+            return lookup_backend(backend)(gm, example_inputs)
+        return compile_counted
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
-        from torch.nn.attention.flex_attention import BlockMask
-        dev, tile, S = meta.positions.device, self.Q_TILE, meta.ctx_len.shape[0]
+        dev, S, nd = meta.positions.device, meta.ctx_len.shape[0], meta.num_decodes
         ctx = meta.ctx_len.long()
-        if meta.num_decodes == S:
-            # decode-only: one tile per sequence, derived from S alone, so no host data is read and
-            # the whole preparation can be captured in a CUDA graph (workers/cuda_graphs.py)
-            tiles = torch.ones(S, dtype=torch.long, device=dev)
-            q_lens = tiles
-        else:
-            q_lens = torch.tensor(meta.q_lens, device=dev)
-            tiles = (q_lens + tile - 1) // tile
-        num_tiles = S if meta.num_decodes == S else sum(-(-n // tile) for n in meta.q_lens)
-        seq_of_tile = torch.repeat_interleave(torch.arange(S, device=dev), tiles, output_size=num_tiles)
-        padded_start = (torch.cumsum(tiles, 0) - tiles) * tile                            # [S]
-        seq_of_row = torch.repeat_interleave(seq_of_tile, tile)                           # [num_tiles * tile]
-        offset = torch.arange(num_tiles * tile, device=dev) - padded_start[seq_of_row]
-        q_pos = ctx[seq_of_row] - q_lens[seq_of_row] + offset            # padded rows: beyond the context
-        real = offset < q_lens[seq_of_row]
-        q_start = meta.q_start.long()
-        rows = (torch.repeat_interleave(padded_start - q_start[:-1], q_lens, output_size=meta.num_tokens)
-                + torch.arange(meta.num_tokens, device=dev))                  # each real token's padded row
         tables = meta.block_tables.long()
         kv_blocks = (ctx + block_size - 1) // block_size                      # [S]
         index = torch.arange(tables.shape[1], device=dev).expand_as(tables)
@@ -159,38 +192,105 @@ class FlexPagedAttention:
         logical = torch.zeros(num_blocks + 1, dtype=torch.long, device=dev).scatter_(0, target, index.flatten())
         owner = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=dev).scatter_(
             0, target, torch.arange(S, device=dev).repeat_interleave(tables.shape[1]))
+        state = {}
+        if nd:
+            state["decode"] = self._decode_mask(nd, ctx[:nd], kv_blocks[:nd], meta.block_tables[:nd],
+                                                logical, owner, block_size, num_blocks)
+        if nd < S:
+            state["prefill"] = self._prefill_mask(meta, ctx, kv_blocks, logical, owner, block_size, num_blocks)
+        meta.state["flex"] = state
+
+    def _decode_mask(self, nd, ctx, kv_blocks, tables, logical, owner, block_size, num_blocks):
+        from torch.nn.attention.flex_attention import BlockMask
+        B = size_bucket(nd)                  # padded entries have no KV blocks: their rows are dropped
+        dev = ctx.device
+        pad = B - nd
+        counts = torch.nn.functional.pad(kv_blocks, (0, pad))
+        indices = torch.nn.functional.pad(tables, (0, 0, 0, pad))
+        ctx = torch.nn.functional.pad(ctx, (0, pad))
+
+        def in_context(b, h, q_idx, kv_idx):   # complete on its own: eager flex applies it to every pair
+            blk = kv_idx // block_size
+            return (owner[blk] == b) & (logical[blk] * block_size + kv_idx % block_size < ctx[b])
+
+        mask = BlockMask.from_kv_blocks(counts.int()[:, None, None], indices[:, None, None],
+                                        BLOCK_SIZE=(self.q_tile, block_size), mask_mod=in_context,
+                                        seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
+        return mask, B
+
+    def _prefill_mask(self, meta, ctx, kv_blocks, logical, owner, block_size, num_blocks):
+        from torch.nn.attention.flex_attention import BlockMask
+        dev, tile, nd, S = ctx.device, self.q_tile, meta.num_decodes, ctx.shape[0]
+        q_lens_host = meta.q_lens[nd:]
+        q_lens = torch.tensor(q_lens_host, device=dev)
+        tiles = (q_lens + tile - 1) // tile
+        num_tiles = sum(-(-n // tile) for n in q_lens_host)
+        padded_tiles = size_bucket(num_tiles)
+        # tiles past the real ones belong to no sequence (index S: no KV blocks, every row masked)
+        seq_of_tile = torch.repeat_interleave(torch.arange(nd, S, device=dev), tiles, output_size=num_tiles)
+        seq_of_tile = torch.nn.functional.pad(seq_of_tile, (0, padded_tiles - num_tiles), value=S)
+        ctx_x = torch.nn.functional.pad(ctx, (0, 1))
+        none = torch.zeros(nd, dtype=torch.long, device=dev)                  # decodes: no prompt rows
+        qlen_x = torch.cat([none, q_lens, none[:0].new_zeros(1)])            # [S + 1], by sequence
+        tiles_x = torch.cat([none, tiles, none[:0].new_zeros(1)])
+        padded_start = (torch.cumsum(tiles_x, 0) - tiles_x) * tile                     # [S + 1]
+        seq_of_row = torch.repeat_interleave(seq_of_tile, tile)                           # [padded_tiles * tile]
+        offset = torch.arange(padded_tiles * tile, device=dev) - padded_start[seq_of_row]
+        q_pos = ctx_x[seq_of_row] - qlen_x[seq_of_row] + offset          # padded rows: beyond the context
+        real = offset < qlen_x[seq_of_row]
+        first = meta.q_start[nd:S].long() - meta.q_start[nd].long()      # each chunk's first row, prompt rows only
+        num_rows = meta.num_tokens - nd
+        rows = (torch.repeat_interleave(padded_start[nd:S] - first, q_lens, output_size=num_rows)
+                + torch.arange(num_rows, device=dev))                     # each real row's padded row
 
         def causal(b, h, q_idx, kv_idx):     # complete on its own: eager flex applies it to every pair
             blk = kv_idx // block_size
             key_pos = logical[blk] * block_size + kv_idx % block_size
             return real[q_idx] & (owner[blk] == seq_of_row[q_idx]) & (key_pos <= q_pos[q_idx])
 
-        mask = BlockMask.from_kv_blocks(kv_blocks[seq_of_tile].int()[None, None], meta.block_tables[seq_of_tile][None, None],
+        counts = torch.cat([kv_blocks, kv_blocks.new_zeros(1)])[seq_of_tile]
+        tables_x = torch.nn.functional.pad(meta.block_tables, (0, 0, 0, 1))
+        mask = BlockMask.from_kv_blocks(counts.int()[None, None], tables_x[seq_of_tile][None, None],
                                         BLOCK_SIZE=(tile, block_size), mask_mod=causal,
-                                        seq_lengths=(num_tiles * tile, num_blocks * block_size), compute_q_blocks=False)
-        meta.state["flex"] = (mask, rows, num_tiles * tile)
+                                        seq_lengths=(padded_tiles * tile, num_blocks * block_size),
+                                        compute_q_blocks=False)
+        return mask, rows, padded_tiles * tile
 
     def forward(self, q, pool, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = layer_kv(pool, layer)
-        mask, rows, padded = meta.state["flex"]
+        state, nd = meta.state["flex"], meta.num_decodes
         T, H, D = q.shape
-        qp = q.new_zeros(padded, H, D)
-        qp[rows] = q
-        k = k_cache.flatten(0, 1).transpose(0, 1)[None]        # [1, KVH, NB * BS, D]
+        k = k_cache.flatten(0, 1).transpose(0, 1)[None]        # [1, KVH, (NB + 1) * BS, D]
         v = v_cache.flatten(0, 1).transpose(0, 1)[None]
-        fn = self._flex
-        if q.device.type == "cuda":
-            if self._compiled is None:
-                self._compiled = torch.compile(self._flex, dynamic=True)
-            fn = self._compiled
-        out = fn(qp.transpose(0, 1)[None], k, v, block_mask=mask, scale=scale, enable_gqa=True)  # [1, H, P, D]
-        return out[0].transpose(0, 1)[rows]
+        out = torch.empty_like(q)                               # [T, H, D]
+        if "decode" in state:
+            mask, B = state["decode"]
+            qd = q.new_zeros(B, H, 1, D)
+            qd[:nd, :, 0] = q[:nd]
+            o = self._flex(qd, k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                           kernel_options=self.kernel_options)   # [B, H, 1, D]
+            out[:nd] = o[:nd, :, 0]
+        if "prefill" in state:
+            mask, rows, padded = state["prefill"]
+            qp = q.new_zeros(padded, H, D)
+            qp[rows] = q[nd:]
+            o = self._flex(qp.transpose(0, 1)[None], k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                           kernel_options=self.kernel_options)   # [1, H, padded, D]
+            out[nd:] = o[0].transpose(0, 1)[rows]
+        return out
+
+
+def check_gpu_block_size(block_size: int) -> None:
+    """The Triton flex kernels read KV in blocks of a power of two of at least 16 tokens."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"engine.block_size={block_size}: on a GPU the flex attention kernels need a power "
+                         f"of two of at least 16 tokens per KV block (16, 32, 64, 128)")
 
 
 BACKENDS = {"reference": ReferenceAttention, "cpu": CpuPagedAttention, "flex": FlexPagedAttention}
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype):
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int = 16):
     """`auto`: the C kernel for float32 on a CPU (if it builds), flex on a GPU, else the reference."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"attention={name!r}: choose auto or one of {sorted(BACKENDS)}")
@@ -207,6 +307,8 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype):
                              f"on {device}")
         if not _cpu_kernel_available():
             raise ValueError("attention=cpu: the CPU kernel could not be built (see the warning above)")
+    if name == "flex":
+        return FlexPagedAttention(device, block_size)
     return BACKENDS[name]()
 
 
