@@ -49,6 +49,7 @@ class Engine:
                                   max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
                                   cuda_graphs=cfg.cuda_graphs, kernels=cfg.kernels,
                                   cpu_gemm_rows=cfg.cpu_gemm_rows)
+        self.runner.warm_up()        # compiles and CUDA graphs now, before any other thread uses the device
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []          # this engine's steps, oldest first (take_trace drains it)
         self.num_steps = self.num_preempted = 0     # since the start, drained or not
@@ -142,9 +143,7 @@ class Engine:
                 for rid, s, n in streams:
                     self._tell_kv(KVReady(rid, i, i + 1, s, s + n), stream_failed)
         try:
-            tokens = self.runner.execute(sched, after_layer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            tokens = self.runner.execute(sched, after_layer)    # returns once the step's stream is done
         except Exception as e:  # the whole pass failed and no row is to blame: its requests end, the engine goes on
             reason = f"the step serving it failed: {type(e).__name__}: {e}"
             return [self.fail(c.request.id, reason) for c in sched.chunks]

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from workers.attention import AttentionMetadata, make_backend
+from workers.attention import AttentionMetadata, make_backend, size_bucket
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache
 from workers.model import Llama
 from workers.ops import make_ops
 from workers.sampler import sample
-from workers.scheduler import SchedulerOutput
+from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @dataclass
@@ -28,6 +29,9 @@ class StepTimes:
     prepare_s: float = 0.0     # building the step's inputs
     forward_s: float = 0.0     # the model (and the attention backend's per-step setup)
     sample_s: float = 0.0      # logits of the rows that complete, and the choice of tokens
+
+
+WARM_CHUNKS = 16     # warm_up compiles every attention shape a step of up to this many prompt chunks takes
 
 
 class StepBuffers:
@@ -70,13 +74,48 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
-        self.backend = make_backend(attention, self.device, cache.dtype)
+        self.backend = make_backend(attention, self.device, cache.dtype, cache.block_size)
         self.ops = make_ops(kernels, model, self.device, cache.dtype, compile, cpu_gemm_rows)
         model.set_max_len(max_model_len, self.device)
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.buffers = StepBuffers(max_tokens, max_seqs, -(-max_model_len // self.block_size), self.device)
         self.times = StepTimes()
         self._model = torch.compile(model, dynamic=True) if compile else model
-        self.graphs = DecodeGraphs(self, max_seqs) if cuda_graphs and self.device.type == "cuda" else None
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self, max_seqs, max_tokens) if use_graphs else None
+
+    def warm_up(self) -> None:
+        """Compile the attention kernels for every padded shape a step can take, then capture the
+        decode graphs, so that nothing compiles while serving. Run once, before any other thread uses
+        the device. Nothing to do on a CPU, whose flex attention runs eagerly."""
+        if getattr(self.backend, "compiled", None):
+            # prompt chunks are padded to whole tiles each, so k chunks of B tokens in all fill at most
+            # k - 1 + ceil((B - k + 1) / tile) tiles; every bucket up to WARM_CHUNKS chunks compiles now
+            tile, budget = self.backend.q_tile, self.max_tokens
+            k = min(self.max_seqs, budget, WARM_CHUNKS)
+            most = k - 1 + -(-(budget - k + 1) // tile)
+            for b in sorted({size_bucket(t) for t in range(1, most + 1)}):
+                self.forward(*self.prepare(self._dummy_step(min(b, most), k)))
+            if self.graphs is None:       # decode attention pads its batch to a bucket: one step per bucket
+                cap = min(self.max_seqs, self.max_tokens)
+                for b in sorted({min(size_bucket(b), cap) for b in range(1, cap + 1)}):
+                    self.forward(*self.prepare(SchedulerOutput(), pad_to=b))
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        if getattr(self.backend, "compiled", None):
+            self.backend.warmed = True
+
+    def _dummy_step(self, tiles: int, most_chunks: int) -> SchedulerOutput:
+        """A prompt-only step whose chunks fill exactly `tiles` tiles with the fewest tokens: single
+        tokens, then one chunk for the rest; padding sequences that touch only the scratch block."""
+        c = min(tiles, most_chunks)
+        sizes = [1] * (c - 1) + [(tiles - c) * self.backend.q_tile + 1]
+
+        def chunk(n):
+            req = SimpleNamespace(num_computed_tokens=0, token_ids=[0] * n,
+                                  block_ids=[self.cache.scratch_block] * -(-n // self.block_size))
+            return ScheduledChunk(req, n)
+        return SchedulerOutput(prefills=[chunk(n) for n in sizes])
 
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's input ids [T] and attention metadata, on the device. `pad_to` (a decode-only step
@@ -110,7 +149,8 @@ class ModelRunner:
         np.add(tables[seq, positions // bs] * bs, positions % bs, out=buf["slots"][:T])
 
         b = self.buffers
-        width = tables.shape[1] if pad_to is not None else int(num_blocks.max())
+        static = pad_to is not None or self.backend.static_shapes      # compiled kernels see the full width
+        width = tables.shape[1] if static else int(num_blocks.max())
         meta = AttentionMetadata(
             positions=b.device_view("positions", T), slot_mapping=b.device_view("slots", T),
             block_tables=b.device_view("block_tables", S, width), q_start=b.device_view("q_start", S + 1),
@@ -135,8 +175,8 @@ class ModelRunner:
         input_ids, meta = self.graphs.prepare(sched) if graphed else self.prepare(sched)
         t1 = time.perf_counter()
         hidden = self.graphs.run(input_ids, meta) if graphed else self.forward(input_ids, meta, after_layer)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":     # this stream only: a transfer thread may keep a receive posted
+            torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
         rows, reqs, last = [], [], 0
         for chunk in sched.chunks:
