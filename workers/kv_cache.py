@@ -32,16 +32,21 @@ def activation_bytes(cfg: ModelConfig, token_budget: int, dtype_bytes: int) -> i
 
 
 def num_blocks_for(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Pool size: explicit, else the CPU budget, else GPU free memory after weights and activations."""
+    """Pool size: explicit, else the CPU budget, else this worker's share of the GPU. On a GPU the
+    share is `gpu_memory_utilization` of the device's memory less what this process already holds
+    (its weights) and a step's activations, and never more than is free: so two workers sharing one
+    GPU (fractional GPUs in Ray) each take their own share instead of the first taking it all."""
     if ecfg.num_kv_blocks is not None:
         return ecfg.num_kv_blocks
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     block_bytes = cfg.kv_bytes_per_token(dtype_bytes) * ecfg.block_size
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        reserve = (1 - ecfg.gpu_memory_utilization) * total + activation_bytes(cfg, ecfg.token_budget, dtype_bytes)
-        budget = int(free - reserve)
-        where = f"GPU {device} ({free / 2**30:.1f} GiB free after weights)"
+        held = torch.cuda.memory_reserved(device)
+        activations = activation_bytes(cfg, ecfg.token_budget, dtype_bytes)
+        budget = int(min(ecfg.gpu_memory_utilization * total - held, free) - activations)
+        where = (f"GPU {device}: gpu_memory_utilization={ecfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, "
+                 f"{held / 2**30:.1f} GiB held by this worker, {free / 2**30:.1f} GiB free")
     else:
         budget = ecfg.kv_cache_bytes
         where = f"kv_cache_bytes={ecfg.kv_cache_bytes}"
