@@ -21,7 +21,7 @@ from experiments.analysis.roofline_cli import HardwareSpec
 from experiments.serving.workload import WorkloadConfig
 from router.config import FaultConfig, RouterConfig
 from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
-from workers.weights import ModelSpec
+from workers.weights import ModelSpec, with_checkpoint
 
 BACKENDS = ("real", "sim")
 CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
@@ -187,6 +187,10 @@ def _model(raw: dict, seed: int) -> tuple[ModelSpec, int, int]:
         raise ConfigError(f"model.dtype={spec.dtype!r}: choose auto, float32, bfloat16 or float16")
     if spec.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", spec.device):
         raise ConfigError(f"model.device={spec.device!r}: choose auto, cpu, cuda or cuda:N")
+    try:
+        spec = with_checkpoint(spec)        # a packaged model: its imported checkpoint (workers/gguf_import.py)
+    except CheckpointError as e:
+        raise ConfigError(f"model={name}: {e}") from None
     try:
         if spec.checkpoint is not None:
             mcfg = from_hf_config(f"{spec.checkpoint}/config.json")

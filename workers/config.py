@@ -79,10 +79,15 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    try:
+    """A preset's shape (random weights), or a packaged model's config (real weights, imported once)."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+    from workers.gguf_import import PACKAGED, ensure_checkpoint    # it imports this module
+
+    if name in PACKAGED:
+        return from_hf_config(ensure_checkpoint(name) / "config.json")
+    raise ValueError(f"unknown model {name!r}; choose a preset with random weights ({', '.join(sorted(PRESETS))}) "
+                     f"or a packaged model with real ones ({', '.join(sorted(PACKAGED))})")
 
 
 def _rope_from_hf(raw: dict, path: Path) -> tuple[float, RopeScaling | None]:

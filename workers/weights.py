@@ -1,4 +1,5 @@
-"""Put a Llama's weights on its device: random from a seed, or from a local Hugging Face checkpoint.
+"""Put a Llama's weights on its device: random from a seed, or from a local Hugging Face checkpoint
+(a packaged model, such as smollm2-135m, is imported to one first: workers/gguf_import.py).
 
 Parameters are built on the meta device and allocated directly on the target device and dtype,
 so an 8B preset on a GPU never exists in float32 on the CPU. Checkpoint tensors are read one at a
@@ -6,6 +7,7 @@ time (safetensors maps them from disk) and copied into the fused projections.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,17 +15,27 @@ from pathlib import Path
 import torch
 
 from workers.config import CheckpointError, ModelConfig, from_hf_config, preset
+from workers.gguf_import import PACKAGED, ensure_checkpoint
 from workers.model import Llama
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model a worker builds, where, in which dtype: what crosses to a remote worker."""
 
-    model: str | None = "tiny"           # preset with random weights ...
+    model: str | None = "tiny"           # preset with random weights, or a packaged model (PACKAGED) ...
     checkpoint: str | None = None        # ... or a local Hugging Face directory
     dtype: str = "auto"                  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"
     seed: int = 0
+
+
+def with_checkpoint(spec: ModelSpec) -> ModelSpec:
+    """A packaged model (model=smollm2-135m) as the local checkpoint it is imported to (once, on first use);
+    any other spec as it is."""
+    if spec.checkpoint is None and spec.model in PACKAGED:
+        return dataclasses.replace(spec, checkpoint=str(ensure_checkpoint(spec.model)))
+    return spec
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,9 +169,12 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype, device: torch.device) 
 def build_model(*, model: str | None = None, checkpoint: str | Path | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                 seed: int = 0) -> Llama:
-    """A preset with seeded random weights, or a local checkpoint (exactly one of the two)."""
+    """A preset with seeded random weights, or a local checkpoint (exactly one of the two); a packaged
+    model's name stands for its imported checkpoint."""
     if (model is None) == (checkpoint is None):
         raise ValueError("give exactly one of a model preset or a checkpoint directory")
+    if model in PACKAGED:
+        checkpoint = ensure_checkpoint(model)
     if checkpoint is not None:
         return load_checkpoint(checkpoint, dtype, device)
     return random_model(preset(model), dtype, device, seed)
