@@ -155,30 +155,14 @@ class FlexPagedAttention:
         # eager flex materializes scores over the whole pool; a GPU always runs the compiled kernels
         compile = compile or ("inductor" if cuda else None)
         self.compiled = compile          # the torch.compile backend, or None: eager flex
-        self.num_compiles = 0            # graphs compiled so far (each padded shape once)
-        self.warmed = False              # set once the engine's warm-up compiled every expected shape
-        if compile is None:
-            self._flex = flex_attention
-        else:
-            import torch._dynamo.config as dynamo_config
-            # every bucket compiles once; past the limit dynamo would fall back to eager flex
-            # silently, so raise the limit well above the buckets and make hitting it an error
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-            dynamo_config.fail_on_recompile_limit_hit = True
-            self._flex = torch.compile(flex_attention, dynamic=False, backend=self._counting(compile))
+        self._flex = flex_attention if compile is None else _compiled_flex(compile)
+        self._compiles_before = COMPILES[compile] if compile else 0
 
-    def _counting(self, backend: str):
-        def compile_counted(gm, example_inputs):
-            self.num_compiles += 1
-            if self.warmed:
-                log.warning("flex attention compiled a shape while serving (%s): a step with more prompt "
-                            "chunks than the warm-up covered; its time includes the compile",
-                            [tuple(t.shape) for t in example_inputs[:1] if hasattr(t, "shape")])
-            if backend == "eager":
-                return gm.forward
-            from torch._dynamo.backends.registry import lookup_backend
-            return lookup_backend(backend)(gm, example_inputs)
-        return compile_counted
+    @property
+    def num_compiles(self) -> int:
+        """Shapes compiled since this backend was made (compiled kernels are shared by every backend
+        of the process: a second engine reuses the first one's)."""
+        return COMPILES[self.compiled] - self._compiles_before if self.compiled else 0
 
     def prepare(self, meta: AttentionMetadata, block_size: int, num_blocks: int) -> None:
         dev, S, nd = meta.positions.device, meta.ctx_len.shape[0], meta.num_decodes
@@ -278,6 +262,43 @@ class FlexPagedAttention:
                            kernel_options=self.kernel_options)   # [1, H, padded, D]
             out[nd:] = o[0].transpose(0, 1)[rows]
         return out
+
+
+COMPILES: dict[str, int] = {}        # shapes compiled, per torch.compile backend, in this process
+_FLEX: dict = {}
+_SERVING = False                      # an engine of this process finished its warm-up
+
+
+def set_serving(serving: bool) -> None:
+    """Say whether this process is serving (a compile then is worth a warning) or warming up."""
+    global _SERVING
+    _SERVING = serving
+
+
+def _compiled_flex(backend: str):
+    """flex_attention compiled once per process and backend, with static shapes, counting compiles.
+    Every bucket compiles once; past dynamo's recompile limit it would fall back to eager flex
+    silently (scores over the whole pool), so the limit is raised well above the buckets and
+    hitting it is made an error."""
+    if backend not in _FLEX:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
+        dynamo_config.fail_on_recompile_limit_hit = True
+        COMPILES[backend] = 0
+
+        def compile_counted(gm, example_inputs):
+            COMPILES[backend] += 1
+            if _SERVING:
+                log.warning("flex attention compiled a new shape while serving (%s): a step with more prompt "
+                            "chunks than the warm-up covered; its time includes the compile",
+                            [tuple(t.shape) for t in example_inputs[:1] if hasattr(t, "shape")])
+            if backend == "eager":
+                return gm.forward
+            from torch._dynamo.backends.registry import lookup_backend
+            return lookup_backend(backend)(gm, example_inputs)
+        _FLEX[backend] = torch.compile(flex_attention, dynamic=False, backend=compile_counted)
+    return _FLEX[backend]
 
 
 def check_gpu_block_size(block_size: int) -> None:

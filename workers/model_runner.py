@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from workers.attention import AttentionMetadata, make_backend, size_bucket
+from workers.attention import AttentionMetadata, make_backend, set_serving, size_bucket
 from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import KVCache
 from workers.model import Llama
@@ -88,6 +88,7 @@ class ModelRunner:
         """Compile the attention kernels for every padded shape a step can take, then capture the
         decode graphs, so that nothing compiles while serving. Run once, before any other thread uses
         the device. Nothing to do on a CPU, whose flex attention runs eagerly."""
+        set_serving(False)
         if getattr(self.backend, "compiled", None):
             # prompt chunks are padded to whole tiles each, so k chunks of B tokens in all fill at most
             # k - 1 + ceil((B - k + 1) / tile) tiles; every bucket up to WARM_CHUNKS chunks compiles now
@@ -102,8 +103,7 @@ class ModelRunner:
                     self.forward(*self.prepare(SchedulerOutput(), pad_to=b))
         if self.graphs is not None:
             self.graphs.capture_all()
-        if getattr(self.backend, "compiled", None):
-            self.backend.warmed = True
+        set_serving(True)
 
     def _dummy_step(self, tiles: int, most_chunks: int) -> SchedulerOutput:
         """A prompt-only step whose chunks fill exactly `tiles` tiles with the fewest tokens: single
