@@ -11,7 +11,7 @@ import sys
 
 COMMANDS = {   # name: (module, what it does)
     "run": ("experiments.run", "serve a workload on a (local or Ray) cluster and write the run's report"),
-    "serve": ("router.serve", "the OpenAI-compatible HTTP server in front of the worker pools"),
+    "serve": ("experiments.server", "the OpenAI-compatible HTTP server in front of the worker pools"),
     "lesson": ("experiments.lesson", "the lesson: why the phases interfere, when to disaggregate, chunking"),
     "report": ("experiments.report", "rebuild a report from run directories"),
     "roofline": ("experiments.roofline", "roofline step times of a model on datasheet GPUs"),

@@ -1,5 +1,5 @@
-"""router.serve through the `openai` SDK: a live server per mode over a tiny save_pretrained checkpoint
-with a generated tokenizer. Colocated runs as `python -m router.serve` in its own process
+"""experiments.server through the `openai` SDK: a live server per mode over a tiny save_pretrained checkpoint
+with a generated tokenizer. Colocated runs as `python -m experiments.server` in its own process
 (its own embedded Ray); disaggregated 1P+1D runs in this process on the session's Ray."""
 import json
 import os
@@ -96,9 +96,9 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def colocated_proc(checkpoint, tmp_path_factory):
-    """`python -m router.serve` started here; the colocated fixture waits until it answers."""
+    """`python -m experiments.server` started here; the colocated fixture waits until it answers."""
     port, run_dir = free_port(), tmp_path_factory.mktemp("serve-run")
-    cmd = [sys.executable, "-m", "router.serve", f"model.checkpoint={checkpoint}", "cluster.mode=colocated",
+    cmd = [sys.executable, "-m", "experiments.server", f"model.checkpoint={checkpoint}", "cluster.mode=colocated",
            "cluster.workers=1", "serve.max_queue=3", "serve.retry_after_s=2", f"serve.port={port}",
            "serve.steps_flush_s=0.5",
            f"hydra.run.dir={run_dir}", *OVERRIDES]
@@ -114,12 +114,12 @@ def colocated_proc(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def colocated(colocated_proc):
     def up():
-        assert colocated_proc.poll() is None, f"router.serve exited: {colocated_proc.stdout.read()}"
+        assert colocated_proc.poll() is None, f"experiments.server exited: {colocated_proc.stdout.read()}"
         try:
             return get(f"{colocated_proc.base}/health")[0] == 200
         except OSError:
             return False
-    until(up, STARTUP_S, "router.serve answering /health")
+    until(up, STARTUP_S, "experiments.server answering /health")
     return colocated_proc.base
 
 
@@ -129,7 +129,7 @@ def disagg(checkpoint, ray_session, colocated_proc):
     from hydra import compose, initialize_config_dir
     from cluster.pool import WorkerPool
     from router.router import Router
-    from router.serve import make_server, parse_serve
+    from experiments.server import make_server, parse_serve
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("serve", overrides=[f"model.checkpoint={checkpoint}", "layout=1p1d", f"serve.port={free_port()}",

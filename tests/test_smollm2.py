@@ -161,7 +161,7 @@ def server(ckpt, ray_session):
     from hydra import compose, initialize_config_dir
     from cluster.pool import WorkerPool
     from router.router import Router
-    from router.serve import make_server, parse_serve
+    from experiments.server import make_server, parse_serve
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("serve", overrides=[

@@ -1,4 +1,4 @@
-"""Serve the pools behind an OpenAI-compatible HTTP API: `python -m router.serve [overrides]`.
+"""Serve the pools behind an OpenAI-compatible HTTP API: `python -m experiments.server [overrides]`.
 
 The same config groups as experiments.run (model, cluster, scheduler, transfer, router, fault, and
 `layout`), plus `serve` (conf/serve/default.yaml): the pools start on Ray (embedded, or
@@ -242,7 +242,7 @@ def write_metrics(spec: RunSpec, run_dir: Path) -> dict | None:
         return None
     metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(format_summary(metrics, title="router.serve (router clock)"))
+    print(format_summary(metrics, title="pdlab serve (router clock)"))
     return metrics
 
 
