@@ -178,7 +178,7 @@ def test_generate_cli_bad_checkpoint_exits_with_reason(tmp_path):
     assert proc.returncode == 2
     assert "missing: checkpoint directory does not exist" in proc.stderr
     proc = run_generate("--model", "llama-9", "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"))
-    assert proc.returncode == 2 and "unknown model preset 'llama-9'" in proc.stderr
+    assert proc.returncode == 2 and "unknown model 'llama-9'" in proc.stderr
 
 
 def test_generate_cli_checkpoint_matches_preset_free_path(tmp_path, hf_pair):

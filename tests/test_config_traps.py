@@ -104,7 +104,7 @@ def test_gpu_preset_on_this_machine_fails_at_once(tmp_path):
 
 def test_an_unknown_group_option_lists_the_valid_ones():
     assert precheck(["model=llama3"]) == ("In 'config': Could not find 'model/llama3'; model can be one of: "
-                                          "llama-3-70b, llama-3-8b, llama-3.2-1b, tiny")
+                                          "llama-3-70b, llama-3-8b, llama-3.2-1b, smollm2-135m, tiny")
 
 
 def test_help_describes_every_key_in_one_line(monkeypatch, capsys):
@@ -121,4 +121,4 @@ def test_help_describes_every_key_in_one_line(monkeypatch, capsys):
     described = {line.split()[0]: line for line in stdout.splitlines() if line.strip()}
     missing = [k for k in keys if k not in described or len(described[k].split()) < 3]
     assert not missing, missing
-    assert "model: llama-3-70b, llama-3-8b, llama-3.2-1b, tiny" in stdout
+    assert "model: llama-3-70b, llama-3-8b, llama-3.2-1b, smollm2-135m, tiny" in stdout
