@@ -1,4 +1,4 @@
-"""What serving adds to a profile measured in isolation, read from the files of a real run (FORMATS.md).
+"""What serving adds to a profile measured in isolation, read from the files of a real run (docs/run-directory.md).
 
 A profile times the engine's steps alone in one process. Serving adds the router's messages (Ray calls
 both ways), the worker loop between steps, and contention: the router, the other workers and whatever
