@@ -42,3 +42,22 @@ def test_readme_keeps_what_ci_runs_and_stays_short():
         assert re.search(rf"^{re.escape(command)}(\s|$)", blocks, flags=re.M), f"README lacks `{command}`"
     assert re.search(r"^pdlab run\b", blocks, flags=re.M), "README's main job is not `pdlab run`"
     assert len(readme.splitlines()) <= 260, f"README.md has {len(readme.splitlines())} lines (at most ~250)"
+
+
+def test_every_pdlab_command_in_the_documents_exists():
+    """`pdlab X` in code spans and code blocks names a real subcommand (or benchmark)."""
+    from experiments import cli
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    unknown, checked = [], 0
+    for page in pages:
+        text = page.read_text()
+        code = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S))
+        found = re.findall(r"`pdlab (bench )?([a-z][a-z-]+)", text) + \
+            re.findall(r"^\$? ?pdlab (bench )?([a-z][a-z-]+)", code, flags=re.M)
+        checked += len(found)
+        for bench, name in found:
+            known = cli.BENCHES if bench else cli.COMMANDS
+            if name not in known and not (not bench and name == "bench"):
+                unknown.append(f"{page.relative_to(ROOT)}: pdlab {bench}{name}")
+    assert checked > 10, f"only {checked} pdlab commands found: is the pattern still right?"
+    assert not unknown, "no such subcommand:\n" + "\n".join(sorted(set(unknown)))
