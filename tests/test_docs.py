@@ -20,6 +20,13 @@ def test_help_text_stops_before_hydras_flags():
     assert docs_config.FLAGS_START not in text and str(ROOT) not in text
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
 def test_relative_links_in_readme_and_docs_resolve():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []
@@ -27,9 +34,12 @@ def test_relative_links_in_readme_and_docs_resolve():
         for target in LINK.findall(page.read_text()):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue   # a URL or an anchor in the same page
-            path = (page.parent / target.split("#", 1)[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve()
             if not path.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
