@@ -1,4 +1,4 @@
-"""What serving adds to a profile measured in isolation, read from the files of a real run (docs/run-directory.md).
+"""What serving adds to a profile measured in isolation, read from the files of a real run (FORMATS.md).
 
 A profile times the engine's steps alone in one process. Serving adds the router's messages (Ray calls
 both ways), the worker loop between steps, and contention: the router, the other workers and whatever
@@ -12,7 +12,7 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
 - gap_coef: the host time between two steps of a busy worker (its previous step left work) after a
   step that made tokens: the median gap, as g0, with the profile's per-sequence slope g1 kept;
   gap_quiet_s: the median after a step that made none (a chunk that leaves its prompt unfinished:
-  about half of g0, as the worker loop then has no token to post);
+  half of g0 here, as the worker loop then has no token to post);
 - the step's time, from the steps whose features the records determine (decode-only steps: batch
   from num_decode_seqs, their cached tokens from num_blocks_used, the blocks every running decode
   holds, as blocks x block_size less half a block per decode; prefill-only steps of whole prompts,
@@ -20,19 +20,19 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   measured / predicted by the profile, explained by the worker's State at the step's start
   (experiments/analysis/step_states.py): a step costs predicted x slowdown(predicted) x each factor
   whose state holds (contention for the share of its time it holds).
-  Figures below: from the calibrations in docs/lab-notes/, as a sense of size:
+  Figures below: the profile in profiles/ (calibration run of 18:48, 160 requests a layout):
   - slowdown: the median per bin of predicted time, made non-decreasing, over steps in none of the
     states below (1.01x at 3 ms, 1.06x from 6 ms);
   - contention: another worker of the host has work (a step in flight, or due after one that left
     it work), by what it does, prefill (in or after a step with prompt tokens) or decode: work goes
-    1.09x slower in decode steps, 1.22x in prefills while it does (one factor for both;
-    read apart, a decode step 1.16x beside decodes, 1.09x beside a prefill), though each worker
+    1.09x slower in decode steps, 1.22x in prefills while it does (one factor for both, at 18:48;
+    apart, at 23:53: a decode step 1.16x beside decodes, 1.09x beside a prefill), though each worker
     has a core of its own (they share caches, memory bandwidth and the router, which has twice the
     tokens to post while both decode: a guess, not measured); a step that shares a share f of its time runs
     1 / (1 - f + f / c) longer (contended, with f and c per kind of neighbour). Read at the start
     only it missed most of it on long prefills: of the 1P+1D prompts that started with the decode
     worker idle, the fifth it then worked beside for over 30% of the step ran 1.77x the profile, the
-    rest 1.47x (in three runs);
+    rest 1.47x (three runs of 18:55-19:00);
   - after_prefill: the decode-only steps 0, 1, 2, ... after the worker's last step with prompt
     tokens: 1.39x, 1.25x, 1.14x, 1.07x, then within 4% (the prefill's activations pushed the weights
     and the KV out of the core's caches), and by that step's size (after_prefill_by_size): 1.32x
@@ -45,12 +45,12 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   - kv_transfer: a KV transfer from or to the worker is in flight (from the first token to the KV
     landing): its threads serialise, send or receive it beside the step: 1.47x for a decode worker's
     step; 0.99x for a prefill worker's prompt once contention is priced by its share of the step
-    (read at the start, contention had left 1.14x);
+    (read at the start, contention had left 1.14x here);
 - after_prompt: a step with prompt tokens right after the worker's last one, not from idle (mostly
-    a prompt's next chunk, its caches warm: 0.72x in one calibration), left out
+    a prompt's next chunk, its caches warm: 0.72x in the AMD EPYC's calibration of 14:31), left out
     of the slowdown curve, which decode steps make; the other factors are read without it;
 - prefill_size: what the factors above leave of the steps with prompt tokens, per bin of their
-    predicted time, never rising with it (0.95x at 51 ms in one calibration: one linear fit
+    predicted time, never rising with it (0.95x at 51 ms at the calibration of 01:45: one linear fit
     over every prompt size priced the longest too high);
 - by_place: what is left, per step kind, by the worker's place on its host (place_factors);
 - speed: where the run's workers timed the speed probe before each repeat (workers/probe.py), how many
@@ -69,7 +69,7 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   fit_transfer), with the quantiles of measured / fitted as its noise, and how much slower it goes
   while its sender steps (handoff_fits' busy). It is the export, the sender
   thread's pickup and the wire while both workers step: the sender's part alone took 3.3-4.0x what
-  cluster.transfer_bench measures on the same machine (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
+  cluster.transfer_bench measures here (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
   3.26 GB/s, four runs);
 - other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
   the calibration holds for (on a shared machine a run made while others used more CPU is slower).
@@ -241,8 +241,8 @@ def probe_speed(probes: list[dict], model) -> dict | None:
 
 def run_speed(repeat_dirs: list[Path], model, which: str = "speed_probe") -> dict | None:
     """A run's speed: probe_speed over every probe of the given repeats (a run's, of one model), those
-    taken before each repeat's requests (`which`: "speed_probe_end" for those after them, which newer
-    runs also have; pricing reads the ones before, as every calibration has them).
+    taken before each repeat's requests (`which`: "speed_probe_end" for those after them, which runs
+    since 2026-12-02 06:55 also have; pricing reads the ones before, as every calibration has them).
     One repeat's probes are too few to tell a repeat's speed from the next one's, while the run's
     median tracks how fast its steps ran from one run to the next (experiments/results/README.md)."""
     probes = []
@@ -261,10 +261,10 @@ def place_factors(residual: dict, places: dict, per_bin: int) -> tuple[dict | No
     worker at each place on its host ran than all of them, once every state is priced (the median of
     its residuals over the median of all, for places with `per_bin` steps or more, where two places at
     least have that many). None where no run says where its workers ran (metrics.json's isolation).
-    In the calibrations of docs/lab-notes/ the second worker of the host (the second core) ran slower in every state: colocated decode
+    Here the second worker of the host (the second core) ran slower in every state: colocated decode
     steps beside the other's decodes 0.97-1.34x against 0.94-1.10x for the first worker's, alone
-    0.89-1.17x against 0.82-0.96x (a calibration run and two runs after it); fitted
-    there, decode steps 0.95x at place 0 and 1.06x at place 1 (where 1P+1D's decode worker runs),
+    0.89-1.17x against 0.82-0.96x (the calibration run of 23:53 and two runs after it); fitted at
+    23:53, decode steps 0.95x at place 0 and 1.06x at place 1 (where 1P+1D's decode worker runs),
     prompts 0.99x and 1.04x. The router, not pinned when each worker holds a core, may run there more
     often (not measured)."""
     out = {}
@@ -291,7 +291,7 @@ def handoff_fits(handoffs: dict[str, list[tuple]], per_bin: int) -> dict:
     sender's steps for o of its measured s did W - (s - o) of its work in o, so each one that overlapped
     them for a quarter of W or more gives busy = o / (W - s + o), and `busy` is their median (1.0 with
     fewer than `per_bin`). Read from the first sender step on, for the whole rest (the rule before),
-    it was 1.47x in one calibration run and 1.31-1.86x in the nine runs after it; read for
+    it was 1.47x in the calibration run of 01:45 and 1.31-1.86x in the nine runs after it; read for
     the overlap alone, 1.62x and 1.50-2.17x (experiments.analysis.handoff_check). `noise`: the
     quantiles of measured / modelled, median 1, for the simulator's draws."""
     from experiments.sim.transfer import fit_transfer

@@ -72,7 +72,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
                         terms=model.terms)
     ratios = {kind: [(m / curve._slowed(p), st) for p, m, st in v] for kind, v in steps_seen.items()}
     # a prompt step straight after the worker's last one (the next chunk of a prompt, mostly) finds
-    # its caches warm: in one calibration such lone chunks ran 1.06x the profile, 0.79x the curve
+    # its caches warm: on an AMD EPYC here such lone chunks ran 1.06x the profile, 0.79x the curve
     warm = [x for x, st in ratios["prefill"] if st.after_prompt and st.busy <= ALONE and not st.transfer]
     after_prompt = statistics.median(warm) if len(warm) >= per_bin else 1.0
     ratios["prefill"] = [(x / after_prompt if st.after_prompt else x, st) for x, st in ratios["prefill"]]
@@ -139,7 +139,7 @@ def state_factors(steps_seen: dict, model, per_bin: int) -> dict:
                        for x, st in v] for kind, v in ratios.items()}
     # What is left of a prompt's step by its predicted time: one linear fit over every prompt size,
     # and state factors read over all of them, leave the longest prompts slower in the model than
-    # served (their residual 0.87-0.95x the median above 45 ms predicted, in ten runs).
+    # served (their residual 0.87-0.95x the median above 45 ms predicted, in ten runs of 01:45-06:14).
     prefill = [(p, r) for (p, _, _), r in zip(steps_seen["prefill"], residual["prefill"])]
     size = None
     if len(prefill) >= 2 * per_bin:

@@ -18,7 +18,7 @@ model's gap, the Costs' latencies.
 
 Drift. A worker's slowness is not fresh each step: on a shared machine a slow spell lasts a few tens
 of steps (the calibration measured the residuals' rank correlation k decode steps apart at 0.23, 0.25,
-0.25, 0.19, 0.14, 0.15, 0.11, 0.09 for k = 1..8 in one calibration run). With a `drift` fit ({weight, tau_s}: experiments/analysis/calibrate.py) a
+0.25, 0.19, 0.14, 0.15, 0.11, 0.09 for k = 1..8 here). With a `drift` fit ({weight, tau_s}: experiments/analysis/calibrate.py) a
 step's factor is drawn through a latent normal z = sqrt(weight) s + sqrt(1 - weight) e, with e fresh
 and s, per worker, decaying to a fresh draw with time constant tau_s (an Ornstein-Uhlenbeck process
 sampled at the steps' starts), then read off the step kind's quantile table at Phi(z): each draw
