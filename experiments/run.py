@@ -3,7 +3,7 @@
 With no arguments it compares colocated prefill_first, colocated chunked and disaggregated 1P+1D
 on two (fake) GPUs with the tiny model, each served `repeats` times round-robin, and writes a report.
 Each repeat writes config.yaml, requests.jsonl, steps.jsonl and metrics.json into `<point>/rep<i>/`;
-the point's metrics.json holds medians and 95% intervals over its repeats (experiments/FORMATS.md).
+the point's metrics.json holds medians and 95% intervals over its repeats (docs/run-directory.md).
 The console prints each point's summary with intervals, the comparisons the intervals support, and
 warnings about the machine's load. Sweeps: `python -m experiments.run -m +sweep=pool_ratio`. A repeat
 whose results are on disk with the same config is skipped; one that crashes leaves error.json.

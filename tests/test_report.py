@@ -1,4 +1,4 @@
-"""experiments.report rebuilds report.md, figures and CSVs from FORMATS.md run directories alone.
+"""experiments.report rebuilds report.md, figures and CSVs from docs/run-directory.md run directories alone.
 
 The fixtures are synthesized here with known numbers (step durations, goodputs, attainments), so the
 tests can assert the exact figures the report must print.
@@ -29,7 +29,7 @@ def write_point(d: Path, label: str, *, mode=None, policy="chunked", workers=("c
                 rate=4.0, overrides=(), goodput=3.0, attainment=0.95, num_requests=20, ttft_ms=50.0,
                 tpot_ms=20.0, transfer_ms=None, decode_ms=10.0, mixed_ms=80.0, steps=True, requests=True,
                 extra=None):
-    """One FORMATS.md point. Requests: 8 tokens each (the last one 1 token), TTFT from ttft_ms up to
+    """One docs/run-directory.md point. Requests: 8 tokens each (the last one 1 token), TTFT from ttft_ms up to
     twice that, every gap tpot_ms plus transfer_ms on the first gap when the KV moved. Steps per worker:
     decode-only steps of decode_ms, every 5th step mixed (mixed_ms, 128 prefill tokens) on colocated
     workers, prefill-only steps on prefill workers."""

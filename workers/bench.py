@@ -9,8 +9,8 @@ its own generate call, after a warm-up call; the two run alternately, `--repeats
 on a shared machine hits both alike. Printed per case: the median time of each, their ratio, the
 spread of the per-pair ratios, whether every output token matched, pdlab's step-time breakdown
 (prepare / forward / sample), and the matmul floor: the time the case's matrix multiplications
-alone take here, measured per step shape after the timed runs, by the faster of torch's linear and
-(CPU, float32) pdlab's panel kernel (HF's time over it is the most any engine doing those matmuls
+alone take on this device, measured per step shape after the timed runs, by the faster of torch's
+linear and (CPU, float32) pdlab's panel kernel (HF's time over it is the most any engine doing those matmuls
 could gain), then that floor with attention's FLOPs added at the
 matmuls' own rate (a bound no attention kernel reaches). On a GPU it also prints the decode step against the HBM floor and the
 prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
@@ -167,11 +167,11 @@ def breakdown(engine: Engine) -> dict:
 
 def matmul_floor(model, steps, device: torch.device, repeats: int = 3) -> tuple[float, float]:
     """Seconds the steps' matrix multiplications alone take on this device, and their FLOPs: every
-    weight of the model times a step's rows (and the LM head times its sampled rows), measured here
+    weight of the model times a step's rows (and the LM head times its sampled rows), measured
     (median of `repeats`) for each distinct step shape, by the faster route of torch's linear (MKL's
-    GEMM on a CPU) and, in float32 on a CPU, pdlab's panel kernel (on an AMD EPYC here MKL took 2.3x
-    its time). No engine doing the same matmuls with these routes can be faster, so HF's time over
-    this bounds the speed-up any such engine could show in this case."""
+    GEMM on a CPU) and, in float32 on a CPU, pdlab's panel kernel (on some CPUs MKL takes twice its
+    time: docs/benchmarks.md). No engine doing the same matmuls with these routes can be faster, so
+    HF's time over this bounds the speed-up any such engine could show in this case."""
     weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
                and "lm_head" not in name]
     head = model.embed_tokens if model.lm_head is None else model.lm_head

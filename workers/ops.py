@@ -7,10 +7,10 @@ the same whatever runs it (`EngineConfig.kernels`, "auto" picks by device, dtype
   residual add, rotary embedding with the KV-cache write, SiLU-and-multiply), each one pass over
   its data. Linear layers of a decode-sized step (under 256 rows) run cpu_ops.c's panel kernel on
   weights packed once at start: at those rows a linear streams its weights from memory, and the
-  kernel keeps that stream moving (measured here: 0.67x oneDNN's packed linear at 16 rows, 0.87x
-  at 64). From `gemm_rows` rows on they run MKL's GEMM on the weights as they are. Where MKL's
-  GEMM is fast (an Intel Xeon: from 256 rows) that is 256; where it is not, more or never (an AMD
-  EPYC, where MKL took 2.3x the panel kernel's time at 128 to 1024 rows of the tiny model), so by
+  kernel keeps that stream moving (0.67x oneDNN's packed linear's time at 16 rows, 0.87x at 64,
+  in docs/lab-notes/). From `gemm_rows` rows on they run MKL's GEMM on the weights as they are.
+  Where MKL's GEMM is fast from 256 rows that is 256; where it is not, more or never (on some CPUs MKL takes
+  2.3x the panel kernel's time at 128 to 1024 rows of the tiny model: docs/benchmarks.md), so by
   default (`engine.cpu_gemm_rows=auto`) it is measured once per process on the model's own layers
   (`measure_gemm_rows`). The packed copies double the memory the weights take; `Engine.memory()`
   reports them, and the rows chosen. A layer's outputs go into buffers

@@ -1,10 +1,9 @@
 """A speed probe: the same two steps timed on an engine before it serves, so a run says how fast its
 machine was then.
 
-On a shared machine the same step takes 10-20% longer from one quarter of an hour to the next (here,
-against the profile of 2026-12-01 23:53: colocated decode steps alone ran 0.82-0.86x its time in the
-runs of 21:43-23:00, 0.88-0.93x at 23:55-23:58, 0.95-1.01x at 00:24-00:30, no other process using
-CPU). A profile and its serving calibration hold for the speed they were measured at. So
+On a shared machine the same step can take 10-20% longer from one quarter of an hour to the next,
+with no other process using the CPU (docs/lab-notes/). A profile and its serving calibration hold
+for the speed they were measured at. So
 each worker times a decode step (`DECODE_CONTEXT` tokens of context, batch 1) and a prompt chunk
 (`PROMPT_TOKENS` from token 0), cells a profile's grid also fits, `ROUNDS` times alternately, before
 its first request (and again after its last, for experiments.analysis.probe_check to compare); the

@@ -1,6 +1,6 @@
 """How close the simulator comes to a real run: `python -m experiments.validate RUN_DIR [--profile FILE]`.
 
-Every repeat of every point under RUN_DIR (FORMATS.md) is replayed through the simulator: the same
+Every repeat of every point under RUN_DIR (docs/run-directory.md) is replayed through the simulator: the same
 config (the repeat's config.yaml), the same requests (each one's arrival_s, prompt_len and max_tokens
 from requests.jsonl), with the costs of the machine that ran it (its profile: this machine's for the
 run's model and worker threads, or --profile). Real and simulated metrics are computed by the same

@@ -1,4 +1,4 @@
-"""The points a report is built from, found and read from run directories alone (experiments/FORMATS.md).
+"""The points a report is built from, found and read from run directories alone (docs/run-directory.md).
 
 A point is a directory with `metrics.json` or `error.json`, or with repeat directories `rep<i>/`; its
 own sub-directories are its repeats. A point with repeats but no metrics.json (a run cut short) is

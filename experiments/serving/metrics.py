@@ -45,7 +45,7 @@ def summarize(rows: list[dict], slo_ttft_ms: float, slo_tpot_ms: float, num_gpus
               attainment_target: float = 0.9) -> dict:
     """metrics.json of one point, less `point` (the caller adds it). Latencies in ms.
 
-    Besides the keys FORMATS.md lists: `total_input_tokens`, `total_output_tokens` (completed requests).
+    Besides the keys docs/run-directory.md lists: `total_input_tokens`, `total_output_tokens` (completed requests).
     """
     if num_gpus < 1:
         raise ValueError(f"num_gpus={num_gpus} must be positive")
@@ -79,7 +79,7 @@ def summarize(rows: list[dict], slo_ttft_ms: float, slo_tpot_ms: float, num_gpus
         "tpot_ms": percentiles(t * 1e3 for t in map(_tpot_s, ok) if t is not None),
         "itl_ms": percentiles(gap * 1e3 for r in ok for gap in r.get("itl_s") or ()),
         "e2el_ms": percentiles(r["e2e_s"] * 1e3 for r in ok),
-        # as a client of the router sees them: tokens timed when they reached it (FORMATS.md)
+        # as a client of the router sees them: tokens timed when they reached it (docs/run-directory.md)
         "client_ttft_ms": percentiles(r["client_ttft_s"] * 1e3 for r in ok if r.get("client_ttft_s") is not None),
         "client_itl_ms": percentiles(gap * 1e3 for r in ok for gap in r.get("client_itl_s") or ()),
     }
@@ -149,7 +149,7 @@ def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> st
 
 def request_fields(rec, t0: float, output_ids: list, ttft: float | None, e2e: float | None, itl: list,
                    client_ttft: float | None, client_e2e: float | None, client_itl: list) -> dict:
-    """One requests.jsonl row (experiments/FORMATS.md) of a record with the router's fields (a real
+    """One requests.jsonl row (docs/run-directory.md) of a record with the router's fields (a real
     RequestRecord or the simulator's Record), given its token timings; times relative to t0."""
     n = len(output_ids)
     itl_ms = None

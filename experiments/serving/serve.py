@@ -2,7 +2,7 @@
 
 `prepare` validates every point and builds its workload before any worker starts. `serve_all` runs the
 rounds: each repeat of a point is a full run into `<point>/rep<i>/` (config.yaml, requests.jsonl,
-steps.jsonl, metrics.json with within-run intervals and the machine's load: experiments/FORMATS.md).
+steps.jsonl, metrics.json with within-run intervals and the machine's load: docs/run-directory.md).
 A repeat whose files are on disk with the same config is skipped; a repeat that crashes leaves
 error.json, its workers and placement group are released, and that point serves no more repeats in
 this run. After the last round each point's metrics.json aggregates its repeats (experiments/serving/aggregate.py).

@@ -142,7 +142,7 @@ def outputs(sim: Simulator) -> tuple[list[dict], list[dict]]:
 
 
 def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: int, wall_s: float) -> dict:
-    """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (FORMATS.md)."""
+    """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (docs/run-directory.md)."""
     from experiments.serving.serve import write_jsonl
 
     rows, steps = outputs(sim)

@@ -1,4 +1,4 @@
-"""The simulated router's records, and the files a run writes from them (experiments/FORMATS.md).
+"""The simulated router's records, and the files a run writes from them (docs/run-directory.md).
 
 `Record` mirrors router/records.py's RequestRecord (the fields requests.jsonl shows), with the token
 times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
