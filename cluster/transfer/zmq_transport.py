@@ -194,10 +194,11 @@ class ZmqTransport:
 
     def _receive_one(self, expect: Expect, deliver, report) -> None:
         frames_, count = _read_message(self._pull)
+        named = [None]                    # the request the message names, once decoded
         try:
-            delivery = self._on_message(frames_, count, expect)
+            delivery = self._on_message(frames_, count, expect, named)
         except Exception as e:   # a bad message, or a bug it triggered: this message alone is dropped
-            rid = getattr(e, "request_id", None)
+            rid = getattr(e, "request_id", None) or named[0]
             self.inbound.drop(rid)
             what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {str(e)[:300]}"
             safe_report(report, TransferProblem(f"zmq: rejected message: {what}", rid))   # the id travels beside
@@ -205,7 +206,7 @@ class ZmqTransport:
         if delivery is not None:
             hand_over(delivery, deliver, report, self.inbound, "zmq")
 
-    def _on_message(self, frames_: list, count: int, expect: Expect):
+    def _on_message(self, frames_: list, count: int, expect: Expect, named: list):
         """One whole message (`count` frames, the first MAX_FRAMES of them kept) -> what to deliver.
         It is exactly the frames its tag announces, or one rejected message: never the start of
         another."""
@@ -217,13 +218,17 @@ class ZmqTransport:
             raise WireError(f"message tag {tag!r} with {count} frames; it takes {FRAMES[tag]}", rid)
         head = frames_[1].buffer
         if tag == b"B":
-            return self.inbound.begin(decode_header(head, expect), expect)
+            h = decode_header(head, expect)
+            named[0] = h.request_id
+            return self.inbound.begin(h, expect)
         if tag == b"E":
             meta = decode_end(head, expect)
+            named[0] = meta.request_id
             return None if self.inbound.quiet(meta.request_id) else self.inbound.end(meta)
         if tag == b"X":
             return self.inbound.cancel(decode_cancel(head))
         meta = decode_part(head)
+        named[0] = meta.request_id
         if self.inbound.quiet(meta.request_id):        # its transfer's failure was reported once already
             return None
         handoff, size = self.inbound.part(meta, expect.max_frame_bytes)
