@@ -3,6 +3,7 @@ hostile-input tests and its fuzzer). The consumer copies and releases every part
 decode worker does, and keeps what each transfer delivered."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -82,6 +83,7 @@ class Live:
         self.lock = threading.Lock()
         self.got: list = []                       # deliveries, parts as (rid, first_layer, start, copy)
         self.problems: list = []
+        self.violations: list[str] = []          # delivered values of the wrong type (must stay empty)
         self.deliver_hook, self.report_hook = deliver_hook, report_hook
         self.rx.start_receiving(EXPECT, self._deliver, self._report)
         ctx = zmq.Context.instance()
@@ -96,8 +98,11 @@ class Live:
     def _deliver(self, d) -> None:
         if self.deliver_hook is not None:
             self.deliver_hook(d)
+        bad = typed_wrong(d)
+        if bad:
+            with self.lock:
+                self.violations.append(bad)
         if isinstance(d, Part):          # a decode worker copies the part into its pool, then releases it
-            assert all(type(v) is int for v in (d.first_layer, d.start)) and d.kv.dtype == torch.float32
             copy = d.kv.clone()
             d.release()
             d = ("part", d.request_id, d.first_layer, d.start, copy)
@@ -137,6 +142,24 @@ class Live:
             sock.close(linger=0)
         self.channel.close()
         self.rx.close()
+
+
+def typed_wrong(d) -> str | None:
+    """What of a delivery has other than its exact type (a value that passed the decoder must never
+    fail later on its type), or None."""
+    ints = lambda *vs: all(type(v) is int for v in vs)          # noqa: E731
+    if isinstance(d, Begin):
+        h = d.handoff
+        ok = (ints(*h.shape, *h.prompt_ids, h.nbytes, h.params["max_tokens"], *h.params["stop_token_ids"])
+              and type(h.params["temperature"]) is float and type(h.params["top_p"]) is float
+              and (h.params["seed"] is None or ints(h.params["seed"])) and type(h.params["ignore_eos"]) is bool)
+    elif isinstance(d, Part):
+        ok = ints(d.first_layer, d.start) and d.kv.dtype == torch.float32 and d.kv.dim() == 5
+    elif isinstance(d, End):
+        ok = ints(d.first_token, d.nbytes) and type(d.first_token_time) is float and math.isfinite(d.first_token_time)
+    else:
+        ok = isinstance(d, Cancel) and isinstance(d.reason, str)
+    return None if ok else repr(d)[:200]
 
 
 def assembled(live: Live, rid: str, shape) -> tuple[torch.Tensor, int]:

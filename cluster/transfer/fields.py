@@ -50,11 +50,11 @@ def unpack(data, what: str, max_bytes: int, max_depth: int, rid_of=None):
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{what} is {shown(data)}, not bytes")
     if len(data) > max_bytes:
-        raise WireError(f"{what} of {len(data)} bytes exceeds {max_bytes}")
+        raise WireError(f"{what} of {len(data)} bytes exceeds {max_bytes}", peek_id(data))
     try:
         value = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
     except Exception as e:   # msgpack raises several unrelated types; its text names no input value
-        raise WireError(f"{what} is not valid msgpack: {type(e).__name__}: {str(e)[:120]}") from None
+        raise WireError(f"{what} is not valid msgpack: {type(e).__name__}: {str(e)[:120]}", peek_id(data)) from None
     rid = rid_of(value) if rid_of is not None else None
     stack = [(value, 0)]
     while stack:
@@ -69,6 +69,30 @@ def unpack(data, what: str, max_bytes: int, max_depth: int, rid_of=None):
             raise WireError(f"{what} nests containers deeper than {max_depth}", rid)
         stack.extend((c, depth + 1) for c in children)
     return value, rid
+
+
+def peek_id(data, window: int = 4 * MAX_ID_CHARS + 64) -> str | None:
+    """The request id at the start of a message that cannot be decoded whole (too large, too deep,
+    or broken further on): a list's first item, or a map's request_id among its first entries,
+    read from the first `window` bytes alone."""
+    try:
+        u = msgpack.Unpacker(raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+                             max_buffer_size=window)
+        u.feed(bytes(memoryview(data)[:window]))
+        try:
+            return request_id_in([u.unpack()]) if u.read_array_header() else None
+        except msgpack.UnpackValueError:
+            pass
+        u = msgpack.Unpacker(raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+                             max_buffer_size=window)
+        u.feed(bytes(memoryview(data)[:window]))
+        for _ in range(min(u.read_map_header(), 8)):
+            key, value = u.unpack(), u.unpack()
+            if key == "request_id":
+                return request_id_in([value])
+    except Exception:   # nothing readable there
+        pass
+    return None
 
 
 def request_id_in(value) -> str | None:
