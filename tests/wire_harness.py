@@ -74,9 +74,9 @@ class Live:
     """A ZmqTransport receiving on loopback; `senders` raw PUSH sockets (attackers or not) and a
     real ZmqChannel. `deliver_hook(d)` may raise, to play a consumer that fails."""
 
-    def __init__(self, senders: int = 1, deliver_hook=None, report_hook=None, **cfg):
+    def __init__(self, senders: int = 1, deliver_hook=None, report_hook=None, device=torch.device("cpu"), **cfg):
         self.cfg = TransferConfig(**{"chunk_bytes": 2 * 10 * TOKEN_BYTES, "max_frame_bytes": 1 << 20, **cfg})
-        self.rx = ZmqTransport(self.cfg, "127.0.0.1")
+        self.rx = ZmqTransport(self.cfg, "127.0.0.1", device=device)
         self.clock = ManualClock()
         self.rx.inbound.clock = self.clock
         self.address = self.rx.bind()
