@@ -201,3 +201,62 @@ def check(live: Live, sequence) -> None:
                 if isinstance(d, (End, Cancel)):
                     open_ = None
         assert open_ is None or rid in reported, f"{rid} begun, never ended, never reported"
+
+
+def run_gloo_pair(*args: str) -> tuple[dict, dict]:
+    """tests.gloo_peer as two processes over gloo, with a TCP store here; their JSON lines."""
+    import json
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from cluster.transfer.nccl_transport import bound_listener
+    from tests.conftest import ROOT
+
+    listener = bound_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
+    peers = [subprocess.Popen([sys.executable, "-m", "tests.gloo_peer", str(rank), str(port), *args], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in peers]
+    finally:
+        for p in peers:
+            p.kill()
+        del store
+    for p, (out, err) in zip(peers, outs):
+        assert p.returncode == 0, err[-3000:]
+    return tuple(json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+
+
+def test_torch_distributed_receiver_keeps_its_properties_under_a_random_mix():
+    """The same properties over gloo, within what its protocol allows (every preamble valid: one
+    that is not ends the stream by design, tested in test_wire.py)."""
+    from tests import gloo_fuzz
+
+    sent, got = run_gloo_pair("fuzz", os.environ.get("PDLAB_FUZZ_SEED", "7"), str(max(8, 2 * EXAMPLES)))
+    assert not got["alive"] and not any(p["fatal"] or "channel closed" in p["reason"] for p in got["problems"])
+    assert not got["violations"], got["violations"][:3]
+    assert got["pending_bytes"] == 0 and not got["open"]
+    assert got["longest_reason"] <= 1100
+    delivered = got["deliveries"]
+    goods = [d for d in delivered if d["rid"].startswith("good#") and d["kind"] == "End"]
+    assert [d["rid"] for d in goods] == sent["good"] and all(d["intact"] for d in goods), "good transfers byte for byte"
+    assert not any(d["rid"] in gloo_fuzz.HOSTILE_ONLY for d in delivered), "a hostile message was delivered"
+    assert all(d.get("sum_ok", True) for d in delivered), "an end with other than its announced bytes"
+    reported = {p["rid"] for p in got["problems"]} | set(got["stale"])
+    assert set(sent["named"]) <= reported, set(sent["named"]) - reported
+    assert "raise#0" in reported or "raise#0" not in {d["rid"] for d in delivered}
+    for rid in gloo_fuzz.RIDS:                            # every transfer begun is delivered or ended
+        open_ = False
+        for d in (d for d in delivered if d["rid"] == rid):
+            if d["kind"] == "Begin":
+                assert not open_ or rid in reported
+                open_ = True
+            else:
+                assert open_, f"{d} delivered outside a transfer"
+                if d["kind"] in ("End", "Cancel"):
+                    open_ = False
+        assert not open_ or rid in reported, f"{rid} begun, never ended, never reported"
