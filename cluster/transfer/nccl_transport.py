@@ -14,17 +14,22 @@ a part its payload:
 Limits are per frame: the sender splits a part into frames of at most `max_frame_bytes` (whole
 layers where they fit, else runs of tokens), so a request's KV is bounded only by the receiver's
 memory for KV (`max_pending_bytes`) and its pool. The receiver checks a header before it allocates
-a byte and refuses what it cannot take: the refusal reaches the sender's `begin` at once. A part
-that does not fit its transfer is reported against its request and its payload drained, keeping the
-stream in step. A preamble that breaks the protocol (an unknown kind, a meta or payload past its
-limit) leaves the stream untrusted: that receive thread stops and reports a fatal problem (its
-worker takes no more KV).
+a byte and refuses what it cannot take: the refusal reaches the sender's `begin` at once. Every
+message consumes exactly what its preamble announces: a part that does not fit its transfer, or
+names one already dropped, has its payload drained, so the stream stays in step whatever becomes
+of the transfer; a rejected message is reported against its request, and a consumer or a bug of
+this thread that raises is reported the same way and the thread goes on. A preamble that breaks
+the protocol (an unknown kind, a meta or payload past its limit) leaves the stream untrusted: that
+receive thread stops and reports a fatal problem (its worker takes no more KV); so does the
+backend failing under a receive (a dead peer), as a closed channel.
 
 An idle receiver waits for the next preamble without a deadline (gloo would otherwise time out an
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
-(pool.py), and gloo/NCCL use the network interface that carries it. On a GPU each channel and
-receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine.
+(pool.py), and gloo/NCCL use the network interface that carries it. Every pair group gets the
+world group's timeout (on NCCL the idle wait), not new_group's default. On a GPU each channel and
+receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine; a
+received part carries an event on that stream, which the import waits on (staging.py).
 """
 from __future__ import annotations
 
@@ -207,9 +212,12 @@ class NcclTransport:
         the receive threads themselves wait in their receives."""
         while any(t.is_alive() for t in self._threads):
             time.sleep(0.1)
-            for rid in self.inbound.stale():
-                report(TransferProblem(f"{self.backend}: transfer silent for {self.cfg.timeout_s:g} s "
-                                       "(transfer.timeout_s), dropped", rid))
+            try:
+                for rid in self.inbound.stale():
+                    safe_report(report, TransferProblem(f"{self.backend}: transfer silent for {self.cfg.timeout_s:g} s "
+                                                        "(transfer.timeout_s), dropped", rid))
+            except Exception as e:   # a bug of its own: said, and the sweep goes on
+                safe_report(report, TransferProblem(f"{self.backend}: sweep: {type(e).__name__}: {str(e)[:300]}"))
 
     def _receive_loop(self, src: int, expect: Expect, deliver, report) -> None:
         staging.own_stream(self.device)
