@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.transfer.base import Begin, Cancel, Delivery, End, Part
+from cluster.transfer.staging import fence_import
 from cluster.transfer.wire import KVHandoff
 from workers.engine import Engine
 from workers.request import InvalidRequest
@@ -119,6 +120,7 @@ class KVIn:
 
     def _import_part(self, rid: str, part: Part) -> bool:
         try:
+            fence_import(part.kv, part.ready)     # CUDA: after the copy that filled it; memory kept till read
             self.engine.import_kv(rid, part.first_layer, part.kv, part.start)
             return True
         except Exception as e:   # refused, or failed while copying in: its blocks are freed

@@ -13,14 +13,17 @@ router retries) or `failed` (the KV could not be read: not retried).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from cluster.kv_in import reason_of
+from cluster.transfer import staging
 from cluster.transfer.wire import KVHandoff, handoff_for
 from workers.engine import Engine
 from workers.events import KVReady, KVReset
@@ -104,8 +107,8 @@ class KVOut:
     def _queue_part(self, rid, dst, req, l0, l1, t0, t1) -> None:
         ready = None
         if self.engine.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = staging.cuda.Event()
+            ready.record(staging.cuda.current_stream(self.engine.device))   # the compute stream
         self._sender(dst).put(SendPart(rid, (l0, l1), (t0, t1), list(req.block_ids), ready))
 
     def hand_off(self, rid: str, first_token: int, first_token_time: float) -> None:
@@ -138,55 +141,69 @@ class KVOut:
         return self._senders[dst]
 
     def _send_loop(self, dst: int, q: queue.Queue) -> None:
-        """One destination's transfers, message by message; every failure ends in an event."""
-        channel, begun, failed = None, {}, set()      # begun: rid -> [start wall time, perf start, bytes]
+        """One destination's transfers, message by message, on a CUDA stream of its own; every
+        failure ends in an event, and nothing ends the thread."""
+        staging.own_stream(self.engine.device)
+        state = ({}, set(), [None])       # begun: rid -> [start wall time, perf start, bytes]; failed; channel
         while True:
             item = q.get()
-            rid = item.handoff.request_id if isinstance(item, SendBegin) else item.rid
             try:
-                if channel is None:
-                    channel = self.transport().channel(dst)
-                if isinstance(item, SendCancel):
-                    if rid in begun:
-                        channel.cancel(rid, item.reason)
-                    begun.pop(rid, None)
-                    failed.discard(rid)
-                    self._cancelled.discard(rid)
-                    continue
-                if rid in failed:
-                    failed.discard(rid) if isinstance(item, SendEnd) else None
-                    continue
-                if isinstance(item, SendBegin):
-                    begun[rid] = [time.time(), time.perf_counter(), 0]
-                    channel.begin(item.handoff)
-                elif isinstance(item, SendPart):
-                    try:
-                        kv = self._read_part(item)
-                    except Exception as e:   # not the wire's fault: the request fails, and is not retried
-                        if rid in begun:
-                            channel.cancel(rid, "its KV could not be read on the prefill worker")
-                        begun.pop(rid, None)
-                        failed.add(rid)
-                        self.done(Exported(rid, f"KV export failed: {reason_of(e)}"))
-                        continue
-                    channel.part(rid, item.layers[0], item.tokens[0], kv)
-                    begun[rid][2] += kv.numel() * kv.element_size()
-                    del kv
-                elif isinstance(item, SendEnd):
-                    if rid in self._cancelled:          # aborted while we were sending it
-                        continue
-                    channel.end(rid, item.first_token, item.first_token_time)
-                    wall, perf, nbytes = begun.pop(rid)
-                    self.done(Exported(rid))
-                    self.emit({"kind": "sent", "rid": rid, "dst": dst, "bytes": nbytes,
-                                "seconds": time.perf_counter() - perf, "start": wall})
-            except Exception as e:   # this request's KV is not delivered; the thread serves the next
+                self._send_one(dst, item, *state)
+            except Exception as e:   # a bug of this loop's own (or of a callback): said, and on to the next
+                rid = getattr(item, "rid", None) or getattr(getattr(item, "handoff", None), "request_id", None)
+                try:
+                    self.emit({"kind": "send_failed", "rid": rid, "dst": dst,
+                               "reason": f"sender thread: {type(e).__name__}: {str(e)[:300]}"})
+                except Exception:
+                    print(f"kv sender to {dst}: {traceback.format_exc(limit=4)}", file=sys.stderr, flush=True)
+
+    def _send_one(self, dst: int, item, begun: dict, failed: set, channel: list) -> None:
+        rid = item.handoff.request_id if isinstance(item, SendBegin) else item.rid
+        try:
+            if channel[0] is None:
+                channel[0] = self.transport().channel(dst)
+            ch = channel[0]
+            if isinstance(item, SendCancel):
+                if rid in begun:
+                    ch.cancel(rid, item.reason)
                 begun.pop(rid, None)
-                failed.add(rid)
-                if isinstance(item, SendEnd):
-                    failed.discard(rid)
-                self.done(Exported(rid))           # its blocks go; the router retries it
-                self.emit({"kind": "send_failed", "rid": rid, "dst": dst, "reason": f"{type(e).__name__}: {e}"})
+                failed.discard(rid)
+                self._cancelled.discard(rid)
+                return
+            if rid in failed:
+                failed.discard(rid) if isinstance(item, SendEnd) else None
+                return
+            if isinstance(item, SendBegin):
+                begun[rid] = [time.time(), time.perf_counter(), 0]
+                ch.begin(item.handoff)
+            elif isinstance(item, SendPart):
+                try:
+                    kv = self._read_part(item)
+                except Exception as e:   # not the wire's fault: the request fails, and is not retried
+                    if rid in begun:
+                        ch.cancel(rid, "its KV could not be read on the prefill worker")
+                    begun.pop(rid, None)
+                    failed.add(rid)
+                    self.done(Exported(rid, f"KV export failed: {reason_of(e)}"))
+                    return
+                ch.part(rid, item.layers[0], item.tokens[0], kv)
+                begun[rid][2] += kv.numel() * kv.element_size()
+                del kv
+            elif isinstance(item, SendEnd):
+                if rid in self._cancelled:          # aborted while we were sending it
+                    return
+                ch.end(rid, item.first_token, item.first_token_time)
+                wall, perf, nbytes = begun.pop(rid)
+                self.done(Exported(rid))
+                self.emit({"kind": "sent", "rid": rid, "dst": dst, "bytes": nbytes,
+                           "seconds": time.perf_counter() - perf, "start": wall})
+        except Exception as e:   # this request's KV is not delivered; the thread serves the next
+            begun.pop(rid, None)
+            failed.add(rid)
+            if isinstance(item, SendEnd):
+                failed.discard(rid)
+            self.done(Exported(rid))           # its blocks go; the router retries it
+            self.emit({"kind": "send_failed", "rid": rid, "dst": dst, "reason": f"{type(e).__name__}: {str(e)[:300]}"})
 
     def _read_part(self, item: SendPart) -> torch.Tensor:
         """The part's KV out of the pool, in this thread (on a GPU: on this thread's stream, after
@@ -194,11 +211,8 @@ class KVOut:
         (l0, l1), (t0, t1) = item.layers, item.tokens
         if item.ready is None:
             return self.engine.cache.export(item.block_ids, t1, layers=(l0, l1), start=t0)
-        torch.cuda.current_stream().wait_event(item.ready)
+        staging.cuda.current_stream(self.engine.device).wait_event(item.ready)   # this thread's side stream
         kv = self.engine.cache.export(item.block_ids, t1, layers=(l0, l1), start=t0)
         if self.transport().name == "zmq":
-            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            host.copy_(kv, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-            return host
+            return staging.to_host(kv)       # pinned; the socket sends it while the next part is read
         return kv

@@ -98,8 +98,8 @@ def _raw_dist_move(rank, group, nbytes, device):
                 dist.send(buf, 1, group=group)
             else:
                 dist.recv(buf, 0, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type == "cuda":     # this thread's stream, which waited on the transfers: never the device
+            torch.cuda.current_stream(device).synchronize()
     return move
 
 

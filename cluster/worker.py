@@ -182,13 +182,13 @@ class Worker:
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
-        self.transport = ZmqTransport(cfg, host)
+        self.transport = ZmqTransport(cfg, host, device=self.engine.device)
         return self.transport.bind()
 
     def zmq_connect(self, cfg: TransferConfig, peers: dict[int, str]) -> None:
         from cluster.transfer.zmq_transport import ZmqTransport
         if self.transport is None:
-            self.transport = ZmqTransport(cfg, "127.0.0.1")
+            self.transport = ZmqTransport(cfg, "127.0.0.1", device=self.engine.device)
         self.transport.connect(peers)
 
     def nccl_init(self, cfg: TransferConfig, world_size: int, store_host: str, store_port: int,

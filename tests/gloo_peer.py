@@ -1,6 +1,6 @@
 """One side of the torch.distributed wire attack in test_wire.py, run as its own process:
 
-    python -m tests.gloo_peer RANK STORE_PORT
+    python -m tests.gloo_peer RANK STORE_PORT [fuzz SEED ROUNDS]
 
 Rank 1 receives with the real NcclTransport (gloo on CPU). Rank 0 first breaks the protocol's rules
 with raw messages, then sends through a real NcclChannel. Each prints one JSON line of what it saw.
@@ -92,11 +92,21 @@ def receiver(t: NcclTransport) -> dict:
             "threads_alive": any(th.is_alive() for th in threading.enumerate() if th.name.startswith("kv-recv"))}
 
 
-def main(rank: int, port: int) -> None:
-    t = NcclTransport(CFG, rank, 2, "127.0.0.1", port, [(0, 1)], torch.device("cpu"), "127.0.0.1")
-    out = attacker(t) if rank == 0 else receiver(t)
+def main(rank: int, port: int, mode: str = "attack", seed: int = 0, rounds: int = 0) -> None:
+    if mode == "fuzz":       # tests/gloo_fuzz.py: a seeded random mix, within the protocol
+        from tests import gloo_fuzz
+        from tests.wire_harness import ManualClock
+        t = NcclTransport(gloo_fuzz.CFG, rank, 2, "127.0.0.1", port, [(0, 1)], torch.device("cpu"), "127.0.0.1")
+        if rank == 0:
+            out = gloo_fuzz.attacker(t, seed, rounds)
+        else:
+            t.inbound.clock = clock = ManualClock()
+            out = gloo_fuzz.receiver(t, clock)
+    else:
+        t = NcclTransport(CFG, rank, 2, "127.0.0.1", port, [(0, 1)], torch.device("cpu"), "127.0.0.1")
+        out = attacker(t) if rank == 0 else receiver(t)
     print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4], *map(int, sys.argv[4:6]))

@@ -16,8 +16,10 @@ takes no more KV).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -87,7 +89,10 @@ class Part:
     kv: torch.Tensor                         # [layers, 2, tokens, KVH, D], a view of a receive buffer
     release: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
     # the consumer calls release() once it no longer reads `kv` (the engine's import copies it): the
-    # transport then receives into that memory again
+    # transport then receives into that memory again. From delivery on the consumer owns the part's
+    # bytes; a `deliver` that raises has not taken it, and the transport releases it.
+    ready: object | None = field(default=None, repr=False, compare=False)
+    # CUDA: an event on the stream that filled `kv`; the importing stream waits on it (staging.py)
 
 
 @dataclass
@@ -109,6 +114,32 @@ class Cancel:
 Delivery = Begin | Part | End | Cancel
 Deliver = Callable[[Delivery], None]
 ReportProblem = Callable[[TransferProblem], None]
+
+
+def request_of(d: Delivery) -> str:
+    return d.handoff.request_id if isinstance(d, Begin) else d.request_id
+
+
+def safe_report(report: ReportProblem, problem: TransferProblem) -> None:
+    """Report from a receive or send thread; a callback that raises cannot stop the thread (what it
+    would have said goes to stderr, the worker's log)."""
+    try:
+        report(problem)
+    except Exception:
+        print(f"kv wire: reporting {problem} failed:\n{traceback.format_exc(limit=4)}", file=sys.stderr, flush=True)
+
+
+def hand_over(d: Delivery, deliver: Deliver, report: ReportProblem, inbound: "Inbound", where: str) -> None:
+    """Deliver one message to the consumer. A consumer that raises has not taken it: a part's bytes
+    are released, its transfer dropped, and the failure reported against its request."""
+    try:
+        deliver(d)
+    except Exception as e:
+        rid = request_of(d)
+        if isinstance(d, Part):
+            d.release()
+        inbound.drop(rid)
+        safe_report(report, TransferProblem(f"{where}: could not deliver: {type(e).__name__}: {str(e)[:300]}", rid))
 
 
 class Channel(Protocol):
@@ -172,9 +203,10 @@ class Inbound:
     """A receiver's book of transfers under way: every message checked against its transfer's header
     and the receiver's limits. Shared by both wires' receive threads (one lock)."""
 
-    def __init__(self, cfg: TransferConfig, buffers: "RecvBuffers"):
+    def __init__(self, cfg: TransferConfig, buffers: "RecvBuffers", clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.buffers = buffers
+        self.clock = clock                       # for timeout_s; a test may step it by hand
         self.open: dict[str, _Open] = {}
         self._dropped: OrderedDict[str, None] = OrderedDict()   # reported once: late messages go quietly
         self._lock = threading.Lock()
@@ -195,7 +227,7 @@ class Inbound:
                 raise WireError(f"refused, {handoff.nbytes} bytes more would pass transfer.max_pending_bytes="
                                 f"{self.cfg.max_pending_bytes} ({self.buffers.outstanding + coming} in use or "
                                 "on their way)", rid)
-            now = time.perf_counter()
+            now = self.clock()
             self.open[rid] = _Open(handoff, now, now)
             self._dropped.pop(rid, None)
         return Begin(handoff)
@@ -209,7 +241,7 @@ class Inbound:
         with self._lock:
             o = self.open.get(meta.request_id)
             if o is None:
-                raise WireError(f"part for unknown request {meta.request_id!r}")   # nothing under way to fail
+                raise WireError("part for a request with no transfer under way", meta.request_id)
             meta.check(o.handoff)
             size = meta.nbytes(o.handoff)
             if size > max_frame_bytes:
@@ -219,20 +251,26 @@ class Inbound:
             return o.handoff, size
 
     def received(self, rid: str, nbytes: int) -> None:
+        """A part's bytes are in. Its transfer may have been dropped (silent too long) while they
+        arrived: then the part is refused like any other message of a dropped transfer."""
         with self._lock:
-            o = self.open[rid]
+            o = self.open.get(rid)
+            if o is None:
+                raise WireError("transfer dropped while a part of it arrived", rid)
+            if o.received + nbytes > o.handoff.nbytes:
+                raise WireError(f"parts of more than the {o.handoff.nbytes} bytes announced", rid)
             o.received += nbytes
-            o.active = time.perf_counter()
+            o.active = self.clock()
 
     def end(self, meta: EndMeta) -> End:
         with self._lock:
             o = self.open.get(meta.request_id)
             if o is None:
-                raise WireError(f"end for unknown request {meta.request_id!r}")
+                raise WireError("end for a request with no transfer under way", meta.request_id)
             if o.received != o.handoff.nbytes:
                 raise WireError(f"end after {o.received} of {o.handoff.nbytes} bytes", meta.request_id)
             del self.open[meta.request_id]
-            now = time.perf_counter()
+            now = self.clock()
         return End(meta.request_id, meta.first_token, meta.first_token_time, o.received, now - o.started, time.time())
 
     def cancel(self, meta: CancelMeta) -> Cancel | None:
@@ -252,7 +290,7 @@ class Inbound:
 
     def stale(self) -> list[str]:
         """Transfers with no message for `timeout_s`: dropped, their ids returned."""
-        now = time.perf_counter()
+        now = self.clock()
         with self._lock:
             old = [rid for rid, o in self.open.items() if now - o.active > self.cfg.timeout_s]
             for rid in old:

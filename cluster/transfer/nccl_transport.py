@@ -14,17 +14,22 @@ a part its payload:
 Limits are per frame: the sender splits a part into frames of at most `max_frame_bytes` (whole
 layers where they fit, else runs of tokens), so a request's KV is bounded only by the receiver's
 memory for KV (`max_pending_bytes`) and its pool. The receiver checks a header before it allocates
-a byte and refuses what it cannot take: the refusal reaches the sender's `begin` at once. A part
-that does not fit its transfer is reported against its request and its payload drained, keeping the
-stream in step. A preamble that breaks the protocol (an unknown kind, a meta or payload past its
-limit) leaves the stream untrusted: that receive thread stops and reports a fatal problem (its
-worker takes no more KV).
+a byte and refuses what it cannot take: the refusal reaches the sender's `begin` at once. Every
+message consumes exactly what its preamble announces: a part that does not fit its transfer, or
+names one already dropped, has its payload drained, so the stream stays in step whatever becomes
+of the transfer; a rejected message is reported against its request, and a consumer or a bug of
+this thread that raises is reported the same way and the thread goes on. A preamble that breaks
+the protocol (an unknown kind, a meta or payload past its limit) leaves the stream untrusted: that
+receive thread stops and reports a fatal problem (its worker takes no more KV); so does the
+backend failing under a receive (a dead peer), as a closed channel.
 
 An idle receiver waits for the next preamble without a deadline (gloo would otherwise time out an
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
-(pool.py), and gloo/NCCL use the network interface that carries it. On a GPU each channel and
-receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine.
+(pool.py), and gloo/NCCL use the network interface that carries it. Every pair group gets the
+world group's timeout (on NCCL the idle wait), not new_group's default. On a GPU each channel and
+receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine; a
+received part carries an event on that stream, which the import waits on (staging.py).
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from cluster.transfer.base import Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, frames
+from cluster.transfer import staging
+from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, frames,
+                                   hand_over, safe_report)
 from cluster.transfer.wire import (MAX_HEADER_BYTES, WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta,
                                    WireError, decode_cancel, decode_end, decode_header, decode_part)
 
@@ -50,13 +57,6 @@ IDLE_WAIT = datetime.timedelta(days=7)       # a receiver waits for the next req
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def _own_stream(device: torch.device) -> None:
-    """Give the calling thread its own CUDA stream: a recv waiting for a peer must never hold up
-    the engine's kernels on the default stream."""
-    if device.type == "cuda":
-        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 def interface_for(address: str) -> str:
@@ -103,7 +103,7 @@ class NcclChannel:
         self.t = transport
         self.dst = dst
         self.group = transport.groups[(transport.rank, dst)]
-        _own_stream(transport.device)   # channels are made and used in their sender thread
+        staging.own_stream(transport.device)   # channels are made and used in their sender thread
 
     def _message(self, kind: int, meta: bytes, payload: torch.Tensor | None = None) -> None:
         dev = self.t.device
@@ -163,8 +163,11 @@ class NcclTransport:
         store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=op_timeout)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.groups: dict[tuple[int, int], object] = {}
-        for src, dst in pairs:                   # every rank creates every group, in the same order
-            group = dist.new_group([src, dst], backend=self.backend)
+        self.timeout = timeout
+        for src, dst in pairs:                   # every rank creates every group, in the same order; each
+            # gets the world's timeout (new_group's default is NCCL's 10 minutes: an idle receiver's
+            # posted irecv would be aborted by the watchdog, and its worker with it)
+            group = dist.new_group([src, dst], backend=self.backend, timeout=timeout)
             self.groups[(src, dst)] = group
             self.groups[(dst, src)] = group
         self.sources = sorted(src for src, dst in pairs if dst == rank)
@@ -209,98 +212,128 @@ class NcclTransport:
         the receive threads themselves wait in their receives."""
         while any(t.is_alive() for t in self._threads):
             time.sleep(0.1)
-            for rid in self.inbound.stale():
-                report(TransferProblem(f"{self.backend}: transfer silent for {self.cfg.timeout_s:g} s "
-                                       "(transfer.timeout_s), dropped", rid))
+            try:
+                for rid in self.inbound.stale():
+                    safe_report(report, TransferProblem(f"{self.backend}: transfer silent for {self.cfg.timeout_s:g} s "
+                                                        "(transfer.timeout_s), dropped", rid))
+            except Exception as e:   # a bug of its own: said, and the sweep goes on
+                safe_report(report, TransferProblem(f"{self.backend}: sweep: {type(e).__name__}: {str(e)[:300]}"))
 
     def _receive_loop(self, src: int, expect: Expect, deliver, report) -> None:
-        _own_stream(self.device)
+        staging.own_stream(self.device)
         where = f"{self.backend} from rank {src}"
         while True:
             try:
                 if not self._receive_one(src, expect, deliver, report):
                     return
             except _Untrusted as e:
-                report(TransferProblem(f"{where}: {e}; stream untrusted, receiver stopped", fatal=True))
+                safe_report(report, TransferProblem(f"{where}: {e}; stream untrusted, receiver stopped", fatal=True))
                 return
-            except Exception as e:   # the backend failed under us (a dead peer): nothing more can come
-                report(TransferProblem(f"{where}: channel closed: {str(e).splitlines()[0][:200]}"))
+            except _Backend as e:   # the backend failed under us (a dead peer): nothing more can come
+                safe_report(report, TransferProblem(f"{where}: channel closed: {str(e.__cause__).splitlines()[0][:200]}"))
                 return
+            except Exception as e:   # a bug of this loop's own, the stream still in step: said, and on
+                safe_report(report, TransferProblem(f"{where}: receive loop: {type(e).__name__}: {str(e)[:300]}"))
+
+    def _recv(self, t: torch.Tensor, src: int, idle: bool = False) -> None:
+        """One receive from `src`; a failure of the backend is _Backend (the stream is over)."""
+        try:
+            work = dist.irecv(t, src, group=self.groups[(src, self.rank)])
+            work.wait(IDLE_WAIT) if idle else work.wait()
+        except Exception as e:
+            raise _Backend() from e
 
     def _receive_one(self, src: int, expect: Expect, deliver, report) -> bool:
-        """One message from `src`; False once the sender closed the stream."""
-        group, dev = self.groups[(src, self.rank)], self.device
+        """One message from `src`, all of it: preamble, meta, and for a part its payload, whatever
+        becomes of the transfer it names; False once the sender closed the stream."""
+        dev = self.device
         preamble = torch.zeros(3, dtype=torch.int64, device=dev)
-        dist.irecv(preamble, src, group=group).wait(IDLE_WAIT)
-        _sync(dev)
-        kind, meta_len, payload_len = preamble.tolist()
+        self._recv(preamble, src, idle=True)
+        kind, meta_len, payload_len = preamble.tolist()          # waits for this thread's stream only
         if kind == CLOSE and meta_len == payload_len == 0:
             return False                                        # the sender closed the stream
         if (kind not in (BEGIN, PART, END, CANCEL) or not 0 < meta_len <= MAX_HEADER_BYTES
                 or not 0 <= payload_len <= expect.max_frame_bytes or (payload_len > 0) != (kind == PART)):
             raise _Untrusted(f"preamble {[kind, meta_len, payload_len]} breaks the protocol")
         meta = torch.empty(meta_len, dtype=torch.uint8, device=dev)
-        dist.recv(meta, src, group=group)
+        self._recv(meta, src)
         data = meta.cpu().numpy().tobytes()
         if kind == BEGIN:
             return self._begin(src, data, expect, deliver, report)
-        delivery, rid = None, None
+        left, named = [payload_len], [None]           # payload bytes still on the stream; its request
         try:
-            if kind == PART:
-                part = decode_part(data)
-                rid = part.request_id
-                if self.inbound.quiet(rid):
-                    self._drain(src, payload_len)
-                    return True
-                handoff, size = self.inbound.part(part, expect.max_frame_bytes)
-                if size != payload_len:
-                    raise WireError(f"part of {payload_len} bytes; its header announces {size}", rid)
-                buf = self._buffers.take(size)
-                try:
-                    dist.recv(buf, src, group=group)
-                    _sync(dev)
-                except BaseException:
-                    self._buffers.give_back(buf)
-                    raise
-                payload_len = 0                                   # received
-                self.inbound.received(rid, size)
-                shape = (part.end_layer - part.first_layer, 2, part.end - part.start, *handoff.shape[3:])
-                delivery = Part(rid, part.first_layer, part.start, buf.view(WIRE_DTYPES[handoff.dtype]).view(shape),
-                                self._buffers.releaser(buf))
-            elif kind == END:
-                end = decode_end(data, expect)
-                rid = end.request_id
-                delivery = None if self.inbound.quiet(rid) else self.inbound.end(end)
-            else:
-                delivery = self.inbound.cancel(decode_cancel(data))
-        except WireError as e:   # this message does not fit: its transfer is dropped, the stream stays in step
-            self._drain(src, payload_len)
-            rid = e.request_id or rid
+            delivery = self._message(src, kind, data, left, expect, named)
+        except _Backend:
+            raise
+        except Exception as e:   # this message does not fit: its transfer is dropped, the stream stays in step
+            self._drain(src, left[0])
+            rid = getattr(e, "request_id", None) or named[0]
             self.inbound.drop(rid)
-            report(TransferProblem(f"{self.backend}: rejected a message from rank {src}: {e}", rid))
+            what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {str(e)[:300]}"
+            safe_report(report, TransferProblem(f"{self.backend}: rejected a message from rank {src}: {what}", rid))
             return True
+        self._drain(src, left[0])                                 # a part of a transfer already dropped
         if delivery is not None:
-            deliver(delivery)
+            hand_over(delivery, deliver, report, self.inbound, self.backend)
         return True
+
+    def _message(self, src: int, kind: int, data: bytes, left: list[int], expect: Expect, named: list):
+        """A part, end or cancel -> what to deliver; a part's payload is received here (left[0] set
+        to 0) unless its transfer was dropped, and its bytes released on every failure."""
+        if kind == END:
+            end = decode_end(data, expect)
+            named[0] = end.request_id
+            return None if self.inbound.quiet(end.request_id) else self.inbound.end(end)
+        if kind == CANCEL:
+            return self.inbound.cancel(decode_cancel(data))
+        part = decode_part(data)
+        rid = named[0] = part.request_id
+        if self.inbound.quiet(rid):
+            return None
+        handoff, size = self.inbound.part(part, expect.max_frame_bytes)
+        if size != left[0]:
+            raise WireError(f"part of {left[0]} bytes; its header announces {size}", rid)
+        buf = self._buffers.take(size)                # from here the part's bytes count, until release()
+        release = self._buffers.releaser(buf)
+        try:
+            left[0] = 0
+            self._recv(buf, src)
+            self.inbound.received(rid, size)
+            shape = (part.end_layer - part.first_layer, 2, part.end - part.start, *handoff.shape[3:])
+            kv = buf.view(WIRE_DTYPES[handoff.dtype]).view(shape)
+            return Part(rid, part.first_layer, part.start, kv, release, staging.filled(self.device))
+        except BaseException:
+            release()
+            raise
 
     def _begin(self, src: int, data: bytes, expect: Expect, deliver, report) -> bool:
         group, dev = self.groups[(src, self.rank)], self.device
         try:
             begin = self.inbound.begin(decode_header(data, expect), expect)
         except Exception as e:   # refused before any payload: the sender reports it against its request
-            reason = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
-            dist.send(_reply(False, reason, dev), src, group=group)
-            report(TransferProblem(f"{self.backend}: refused a transfer from rank {src}: {reason}",
-                                   getattr(e, "request_id", None)))
+            reason = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {str(e)[:300]}"
+            self._send(_reply(False, reason, dev), src)
+            safe_report(report, TransferProblem(f"{self.backend}: refused a transfer from rank {src}: {reason}",
+                                                getattr(e, "request_id", None)))
             return True
-        dist.send(_reply(True, device=dev), src, group=group)
-        deliver(begin)
+        try:
+            self._send(_reply(True, device=dev), src)
+        except _Backend:
+            self.inbound.drop(begin.handoff.request_id)
+            raise
+        hand_over(begin, deliver, report, self.inbound, self.backend)
         return True
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        try:
+            dist.send(t, dst, group=self.groups[(dst, self.rank)])
+        except Exception as e:
+            raise _Backend() from e
 
     def _drain(self, src: int, nbytes: int) -> None:
         """Receive and drop a payload that will not be used, keeping the stream in step."""
         if nbytes:
-            dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), src, group=self.groups[(src, self.rank)])
+            self._recv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), src)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait for receive threads whose senders closed their streams, then leave the group."""
@@ -315,3 +348,7 @@ class NcclTransport:
 
 class _Untrusted(Exception):
     """The stream broke the protocol; what follows cannot be framed."""
+
+
+class _Backend(Exception):
+    """torch.distributed failed under a receive or send (its cause): the stream is over."""

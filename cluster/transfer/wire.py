@@ -7,10 +7,12 @@ preempted, finished on the prefill worker, or failed). A bulk handoff sends its 
 prefill; a streamed one sends each layer (or chunk) as soon as it is computed, so the parts may
 precede the first token by most of the prefill.
 
-The receiver checks every header field against what its own engine expects (dtype, layers, heads,
-head dim, length limits), and the request itself by the same rules the router and the engine apply
-(workers/request.py: validate_request), before it allocates a byte; every part against the header,
-before it receives the part's bytes. Nothing is ever unpickled.
+Every field of every message is decoded here, strictly (fields.py: exact integers, finite times,
+bounded lengths and depths), by both wires; what the import path gets has passed it. The receiver
+checks every header field against what its own engine expects (dtype, layers, heads, head dim,
+length limits), and the request itself by the same rules the router and the engine apply
+(workers/request.py: validate_request), before it allocates a byte; every part against the header
+before its bytes count. Nothing is ever unpickled.
 """
 from __future__ import annotations
 
@@ -20,19 +22,14 @@ from dataclasses import asdict, dataclass
 import msgpack
 import torch
 
-from workers.request import InvalidRequest, SamplingParams, validate_request
+from cluster.transfer.fields import (MAX_INDEX, MAX_REASON_CHARS, WireError, exact_int, finite_number, finite_time,
+                                     int_list, record, request_id_in, shown, text, unpack)
+from workers.request import (MAX_ID_CHARS, MAX_STOP_IDS, SAMPLING_FIELDS, SEED_MAX, InvalidRequest, SamplingParams,
+                             validate_request)
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_HEADER_BYTES = 1 << 20
-
-
-class WireError(ValueError):
-    """A malformed or unexpected message; the message says which field, `request_id` which
-    transfer it concerns when that is known."""
-
-    def __init__(self, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id
+MAX_META_BYTES = 4096          # a part's, end's or cancel's msgpack
 
 
 @dataclass(frozen=True)
@@ -76,45 +73,61 @@ class Expect:
                    cfg.vocab_size, engine.max_model_len, max_frame_bytes)
 
 
-_FIELDS = {"request_id": str, "prompt_ids": list, "params": dict, "dtype": str, "shape": list}
+_FIELDS = ("request_id", "prompt_ids", "params", "dtype", "shape")
+_PARAM_DEPTH = 4               # header map > params map > stop_token_ids list > ints, and one more so
+                               # a value one level too deep is named by its field
 
 
-def _typed(value, kind, name, rid=None):
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        raise WireError(f"header field {name!r} has type {type(value).__name__}", rid)
+def _params(raw, rid: str | None) -> dict:
+    """The sampling fields' types, exactly; their ranges are the request rules' (validate_request)."""
+    if not isinstance(raw, dict):
+        raise WireError(f"header field params={shown(raw)} is not a map", rid)
+    unknown = sorted((k[:40] if isinstance(k, str) else shown(k)) for k in raw if k not in SAMPLING_FIELDS)
+    if unknown:
+        raise WireError(f"header: unknown sampling field(s) {unknown[:8]}; "
+                        f"known: {list(SAMPLING_FIELDS)}", rid)
+    missing = [k for k in SAMPLING_FIELDS if k not in raw]
+    if missing:
+        raise WireError(f"header: missing sampling field(s) {missing}", rid)
+    exact_int(raw["max_tokens"], "max_tokens", rid, 0, MAX_INDEX)
+    finite_number(raw["temperature"], "temperature", rid)
+    finite_number(raw["top_p"], "top_p", rid)
+    if raw["seed"] is not None:
+        exact_int(raw["seed"], "seed", rid, 0, SEED_MAX)
+    int_list(raw["stop_token_ids"], "stop_token_ids", rid, MAX_STOP_IDS, 0, MAX_INDEX)
+    if type(raw["ignore_eos"]) is not bool:
+        raise WireError(f"ignore_eos={shown(raw['ignore_eos'])} is not true or false", rid)
+    return raw
 
 
 def decode_header(data: bytes, expect: Expect) -> KVHandoff:
-    if len(data) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise WireError(f"header is not valid msgpack: {e}") from None
+    raw, rid = unpack(data, "header", MAX_HEADER_BYTES, _PARAM_DEPTH, request_id_in)
     if not isinstance(raw, dict):
-        raise WireError("header is not a map")
-    rid = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
+        raise WireError(f"header {shown(raw)} is not a map")
     if set(raw) != set(_FIELDS):
-        raise WireError(f"header fields {sorted(map(str, raw))} differ from {sorted(_FIELDS)}", rid)
-    for name, kind in _FIELDS.items():
-        _typed(raw[name], kind, name, rid)
+        raise WireError(f"header fields {sorted(shown(k) for k in raw)[:16]} differ from {sorted(_FIELDS)}", rid)
+    text(raw["request_id"], "request_id", rid, MAX_ID_CHARS, 1)
     prompt = raw["prompt_ids"]
+    if not isinstance(prompt, list):
+        raise WireError(f"header field prompt_ids={shown(prompt)} is not a list", rid)
     if len(prompt) > expect.max_tokens:
         raise WireError(f"prompt of {len(prompt)} tokens; this engine takes 1..{expect.max_tokens}", rid)
-    try:   # the request rules of every edge: ids, prompt, sampling parameters
+    for i, tok in enumerate(prompt):
+        if type(tok) is not int:
+            raise WireError(f"prompt_ids[{i}]={shown(tok)} is not an integer", rid)
+    _params(raw["params"], rid)
+    try:   # the request rules of every edge: ids, prompt, sampling parameters (types settled above)
         params = validate_request(rid, prompt, raw["params"], expect.vocab_size, expect.max_tokens).to_dict()
     except InvalidRequest as e:
         raise WireError(f"header: {e.reason}", rid) from None
-    if raw["dtype"] != expect.dtype:
-        raise WireError(f"dtype {raw['dtype']!r}; this engine holds {expect.dtype!r}", rid)
-    shape = tuple(raw["shape"])
-    want = (expect.num_layers, 2, len(prompt), expect.num_kv_heads, expect.head_dim)
+    dtype = text(raw["dtype"], "dtype", rid, 32)
+    if dtype != expect.dtype:
+        raise WireError(f"dtype {dtype!r}; this engine holds {expect.dtype!r}", rid)
+    shape = int_list(raw["shape"], "shape", rid, 8, 0, MAX_INDEX)
+    want = [expect.num_layers, 2, len(prompt), expect.num_kv_heads, expect.head_dim]
     if shape != want:
-        raise WireError(f"shape {list(shape)}; expected {list(want)} for a {len(prompt)}-token prompt", rid)
-    return KVHandoff(rid, prompt, params, raw["dtype"], shape)
+        raise WireError(f"shape {shape}; expected {want} for a {len(prompt)}-token prompt", rid)
+    return KVHandoff(rid, prompt, params, dtype, tuple(shape))
 
 
 def handoff_for(req, cfg, dtype: torch.dtype) -> KVHandoff:
@@ -164,34 +177,40 @@ class CancelMeta:
     reason: str
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.request_id, self.reason[:1000]])
+        return msgpack.packb([self.request_id, self.reason[:MAX_REASON_CHARS]])
 
 
-def _meta(data: bytes, what: str, kinds: tuple) -> list:
-    try:
-        raw = msgpack.unpackb(data, raw=False, max_bin_len=0, max_ext_len=0, max_str_len=4096)
-    except Exception as e:
-        raise WireError(f"{what} is not msgpack: {e}") from None
-    rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
-    names = ", ".join("number" if isinstance(k, tuple) else k.__name__ for k in kinds)
-    if not (isinstance(raw, list) and len(raw) == len(kinds)):
-        raise WireError(f"{what} {str(raw)[:80]} is not [{names}]", rid)
-    for value, kind in zip(raw, kinds):
-        if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
-            raise WireError(f"{what} fields {str(raw)[:80]} are not [{names}]", rid)
-    return raw
+def _meta(data: bytes, what: str, names: tuple[str, ...]) -> tuple[list, str]:
+    raw, rid = unpack(data, what, MAX_META_BYTES, 1, request_id_in)
+    record(raw, what, names, rid)
+    text(raw[0], f"{what} request_id", rid, MAX_ID_CHARS, 1)
+    return raw, rid
 
 
 def decode_part(data: bytes) -> PartMeta:
-    return PartMeta(*_meta(data, "part header", (str, int, int, int, int)))
+    raw, rid = _meta(data, "part header", ("request_id", "first_layer", "end_layer", "start", "end"))
+    ints = [exact_int(v, f"part header {name}", rid) for v, name in zip(raw[1:], ("first_layer", "end_layer",
+                                                                                  "start", "end"))]
+    return PartMeta(rid, *ints)
 
 
 def decode_end(data: bytes, expect: Expect) -> EndMeta:
-    rid, token, t = _meta(data, "end", (str, int, (int, float)))
-    if not 0 <= token < expect.vocab_size:
+    raw, rid = _meta(data, "end", ("request_id", "first_token", "first_token_time"))
+    token = exact_int(raw[1], "end first_token", rid, 0, MAX_INDEX)
+    if token >= expect.vocab_size:
         raise WireError(f"first_token={token} is not a token id in [0, {expect.vocab_size})", rid)
-    return EndMeta(rid, token, float(t))
+    return EndMeta(rid, token, finite_time(raw[2], "end first_token_time", rid))
 
 
 def decode_cancel(data: bytes) -> CancelMeta:
-    return CancelMeta(*_meta(data, "cancel", (str, str)))
+    raw, rid = _meta(data, "cancel", ("request_id", "reason"))
+    return CancelMeta(rid, text(raw[1], "cancel reason", rid, MAX_REASON_CHARS))
+
+
+def peek_request_id(data) -> str | None:
+    """The request a message's meta names, if it names one validly (for a message rejected for
+    its framing, whose fields are never decoded)."""
+    try:
+        return unpack(data, "meta", MAX_HEADER_BYTES, 64, request_id_in)[1]
+    except WireError as e:
+        return e.request_id

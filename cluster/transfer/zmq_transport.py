@@ -13,15 +13,18 @@ interleave (wire.py):
 A part's frame is at most `min(chunk_bytes, max_frame_bytes)` (the sender splits larger parts;
 libzmq drops and disconnects a message past `max_frame_bytes` before Python sees it). Sender frames
 point into the tensor's memory (copy=False, tracked until libzmq is done with them; `end` waits).
-The receiver checks a part against its transfer before reading its bytes, then takes the frame
-without a copy (the part's tensor views the message libzmq filled; its bytes count against
-`max_pending_bytes` until the engine has imported it) and delivers the part at once. (Receiving into
+The receiver reads every frame of a message (libzmq delivers a message whole), and a message is
+exactly the frames its tag announces (2, or 3 for a part) or one rejected message: never the start
+of another. It checks a part against its transfer, then takes the frame without a copy (the part's
+tensor views the message libzmq filled; its bytes count against `max_pending_bytes` until the
+engine releases it, whatever happens on the way) and delivers the part at once. On a GPU the
+receive thread copies the frame to the device on its own stream (staging.py). (Receiving into
 a recycled buffer instead, recv_into, costs one more copy of every byte: 0.69-0.77 of raw pyzmq at
 256 MiB against 0.82-0.87 zero-copy, interleaved runs of cluster.transfer_bench here.) A begin is refused, and
 reported against its request, when `max_pending` transfers are incomplete or receive memory would
 pass `max_pending_bytes`; a transfer silent for `timeout_s` is dropped and reported, checked every
-100 ms whether or not the socket is busy. Any error in a message is reported (against its request
-when known), the rest of the message skipped, and the loop goes on; only a socket that fails stops
+100 ms whether or not the socket is busy. Any error in a message, or in the consumer's callback, is
+reported (against its request when known) and the loop goes on; only a socket that fails stops
 it, as a fatal problem that takes its worker out of service.
 """
 from __future__ import annotations
@@ -32,12 +35,28 @@ import time
 import torch
 import zmq
 
+from cluster.transfer import staging
 from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused,
-                                   TransferTimeout, frames)
+                                   TransferTimeout, frames, hand_over, safe_report)
 from cluster.transfer.wire import (WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError,
-                                   decode_cancel, decode_end, decode_header, decode_part)
+                                   decode_cancel, decode_end, decode_header, decode_part, peek_request_id)
 
 SWEEP_S = 0.1        # how often transfers are checked against timeout_s
+FRAMES = {b"B": 2, b"P": 3, b"E": 2, b"X": 2}     # each message kind's frames, its tag included
+MAX_FRAMES = max(FRAMES.values())
+
+
+def _read_message(sock: zmq.Socket) -> tuple[list, int]:
+    """Every frame of the next message (libzmq delivers a message whole or not at all): the first
+    MAX_FRAMES kept, the rest read and dropped; (kept, how many there were)."""
+    kept, count = [], 0
+    while True:
+        frame = sock.recv(copy=False)
+        count += 1
+        if len(kept) < MAX_FRAMES:
+            kept.append(frame)
+        if not frame.more:
+            return kept, count
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -98,9 +117,11 @@ def _wait(tracker: zmq.MessageTracker, timeout_s: float) -> bool:
 class ZmqTransport:
     name = "zmq"
 
-    def __init__(self, cfg: TransferConfig, host: str, peers: dict[int, str] | None = None):
+    def __init__(self, cfg: TransferConfig, host: str, peers: dict[int, str] | None = None,
+                 device: torch.device = torch.device("cpu")):
         self.cfg = cfg
         self.host = host
+        self.device = device               # where received parts go: a GPU's copied off the loop thread
         self.peers = dict(peers or {})     # rank -> address of its receiving socket
         self.ctx = zmq.Context.instance()
         self.address: str | None = None
@@ -140,11 +161,17 @@ class ZmqTransport:
         self._thread.start()
 
     @property
+    def receiving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def pending_bytes(self) -> int:
         """Receive memory in use: parts received and not yet released by the engine."""
         return self._buffers.outstanding
 
     def _receive_loop(self, expect: Expect, deliver, report) -> None:
+        """Until closed: one message at a time; nothing but the socket failing ends the loop."""
+        staging.own_stream(self.device)
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         last_sweep = time.monotonic()
@@ -152,69 +179,74 @@ class ZmqTransport:
             try:
                 if poller.poll(100):
                     self._receive_one(expect, deliver, report)
+                if time.monotonic() - last_sweep >= SWEEP_S:
+                    last_sweep = time.monotonic()
+                    for rid in self.inbound.stale():
+                        safe_report(report, TransferProblem(f"zmq: transfer silent for {self.cfg.timeout_s:g} s "
+                                                            "(transfer.timeout_s), dropped", rid))
             except zmq.ZMQError as e:   # the socket itself failed: nothing more can arrive here
                 if not self._stop.is_set():
-                    report(TransferProblem(f"zmq: receiver stopped: {e}", fatal=True))
+                    safe_report(report, TransferProblem(f"zmq: receiver stopped: {e}", fatal=True))
                 return
-            if time.monotonic() - last_sweep >= SWEEP_S:
-                for rid in self.inbound.stale():
-                    report(TransferProblem(f"zmq: transfer silent for {self.cfg.timeout_s:g} s (transfer.timeout_s), "
-                                           "dropped", rid))
-                last_sweep = time.monotonic()
+            except Exception as e:      # a bug of this loop's own: said, and the loop goes on
+                safe_report(report, TransferProblem(f"zmq: receive loop: {type(e).__name__}: {str(e)[:300]}"))
+                time.sleep(0.01)
 
     def _receive_one(self, expect: Expect, deliver, report) -> None:
+        frames_, count = _read_message(self._pull)
+        named = [None]                    # the request the message names, once decoded
         try:
-            delivery = self._on_message(expect)
-        except zmq.ZMQError:
-            raise
-        except Exception as e:   # a bad message, or a bug it triggered: drop the message, keep serving
-            rid = getattr(e, "request_id", None)
-            while self._pull.getsockopt(zmq.RCVMORE):      # skip the rest of the message
-                self._pull.recv(copy=False)
+            delivery = self._on_message(frames_, count, expect, named)
+        except Exception as e:   # a bad message, or a bug it triggered: this message alone is dropped
+            rid = getattr(e, "request_id", None) or named[0]
             self.inbound.drop(rid)
-            what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
-            report(TransferProblem(f"zmq: rejected message: {what}", rid))   # the id travels beside the text
+            what = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {str(e)[:300]}"
+            safe_report(report, TransferProblem(f"zmq: rejected message: {what}", rid))   # the id travels beside
             return
         if delivery is not None:
-            try:
-                deliver(delivery)
-            except Exception as e:
-                if isinstance(delivery, Part):
-                    delivery.release()
-                self.inbound.drop(delivery.request_id)
-                report(TransferProblem(f"zmq: could not deliver: {type(e).__name__}: {e}", delivery.request_id))
+            hand_over(delivery, deliver, report, self.inbound, "zmq")
 
-    def _on_message(self, expect: Expect):
-        """Reads one message frame by frame: a part's bytes go straight into a receive buffer."""
-        sock = self._pull
-        tag = sock.recv()
-        head = sock.recv() if sock.getsockopt(zmq.RCVMORE) else None
-        more = sock.getsockopt(zmq.RCVMORE)
-        if head is None or (more != (tag == b"P")):
-            raise WireError(f"message tag {tag[:8]!r} with the wrong number of frames")
+    def _on_message(self, frames_: list, count: int, expect: Expect, named: list):
+        """One whole message (`count` frames, the first MAX_FRAMES of them kept) -> what to deliver.
+        It is exactly the frames its tag announces, or one rejected message: never the start of
+        another."""
+        tag = bytes(frames_[0].buffer[:8])
+        if tag not in FRAMES:
+            raise WireError(f"unknown message tag {tag!r}")
+        if count != FRAMES[tag]:
+            rid = peek_request_id(frames_[1].buffer) if count > 1 else None
+            raise WireError(f"message tag {tag!r} with {count} frames; it takes {FRAMES[tag]}", rid)
+        head = frames_[1].buffer
         if tag == b"B":
-            return self.inbound.begin(decode_header(head, expect), expect)
-        if tag == b"P":
-            meta = decode_part(head)
-            if self.inbound.quiet(meta.request_id):        # its failure was reported once already
-                sock.recv(copy=False)
-                return None
-            handoff, size = self.inbound.part(meta, expect.max_frame_bytes)
-            frame = sock.recv(copy=False)     # no copy: the part's tensor views the message libzmq filled
-            if len(frame) != size or sock.getsockopt(zmq.RCVMORE):
-                raise WireError(f"part of {len(frame)} bytes; its header announced {size}", meta.request_id)
-            release = self._buffers.adopt(size)
-            self.inbound.received(meta.request_id, size)
-            data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-            shape = (meta.end_layer - meta.first_layer, 2, meta.end - meta.start, *handoff.shape[3:])
-            return Part(meta.request_id, meta.first_layer, meta.start,
-                        data.view(WIRE_DTYPES[handoff.dtype]).view(shape), release)
+            h = decode_header(head, expect)
+            named[0] = h.request_id
+            return self.inbound.begin(h, expect)
         if tag == b"E":
             meta = decode_end(head, expect)
+            named[0] = meta.request_id
             return None if self.inbound.quiet(meta.request_id) else self.inbound.end(meta)
         if tag == b"X":
             return self.inbound.cancel(decode_cancel(head))
-        raise WireError(f"unknown message tag {tag[:8]!r}")
+        meta = decode_part(head)
+        named[0] = meta.request_id
+        if self.inbound.quiet(meta.request_id):        # its transfer's failure was reported once already
+            return None
+        handoff, size = self.inbound.part(meta, expect.max_frame_bytes)
+        frame = frames_[2]
+        if len(frame) != size:
+            raise WireError(f"part of {len(frame)} bytes; its header announced {size}", meta.request_id)
+        release = self._buffers.adopt(size)      # from here the part's bytes count, until release()
+        try:
+            self.inbound.received(meta.request_id, size)
+            shape = (meta.end_layer - meta.first_layer, 2, meta.end - meta.start, *handoff.shape[3:])
+            data = torch.frombuffer(frame.buffer, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+            kv, ready = data.view(WIRE_DTYPES[handoff.dtype]).view(shape), None   # no copy: views libzmq's message
+            if self.device.type == "cuda":
+                kv, ready = staging.to_device(kv, self.device)
+            return Part(meta.request_id, meta.first_layer, meta.start, kv, release, ready)
+        except BaseException:
+            release()
+            raise
 
     def close(self) -> None:
         self._stop.set()
