@@ -17,7 +17,7 @@ The receiver checks a part against its transfer before reading its bytes, then t
 without a copy (the part's tensor views the message libzmq filled; its bytes count against
 `max_pending_bytes` until the engine has imported it) and delivers the part at once. (Receiving into
 a recycled buffer instead, recv_into, costs one more copy of every byte: 0.69-0.77 of raw pyzmq at
-256 MiB against 0.82-0.87 zero-copy, interleaved runs of cluster.transfer_bench here.) A begin is refused, and
+256 MiB against 0.82-0.87 zero-copy, interleaved runs of benchmarks.transfer here.) A begin is refused, and
 reported against its request, when `max_pending` transfers are incomplete or receive memory would
 pass `max_pending_bytes`; a transfer silent for `timeout_s` is dropped and reported, checked every
 100 ms whether or not the socket is busy. Any error in a message is reported (against its request

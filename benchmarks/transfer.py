@@ -1,6 +1,6 @@
 """Transfer benchmark: each KV transport end to end, next to the raw ceiling of its wire, per size.
 
-    python -m cluster.transfer_bench [--sizes-mib 1,16,64,256] [--repeats N] [--backends nccl,zmq]
+    python -m benchmarks.transfer [--sizes-mib 1,16,64,256] [--repeats N] [--backends nccl,zmq]
                                      [--device auto|cpu|cuda] [--chunk-mib 8]
 
 Two spawned processes on this machine: rank 0 sends, rank 1 receives. For each size and
