@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from cluster.events import SendFailed, Sent, WorkerEvent
 from cluster.kv_in import reason_of
 from cluster.transfer.wire import KVHandoff, handoff_for
 from workers.engine import Engine
@@ -61,7 +62,7 @@ class SendCancel:
 
 
 class KVOut:
-    def __init__(self, engine: Engine, emit: Callable[[dict], None], done: Callable[[Exported], None],
+    def __init__(self, engine: Engine, emit: Callable[[WorkerEvent], None], done: Callable[[Exported], None],
                  transport: Callable[[], object]):
         self.engine = engine
         self.emit = emit
@@ -178,15 +179,14 @@ class KVOut:
                     channel.end(rid, item.first_token, item.first_token_time)
                     wall, perf, nbytes = begun.pop(rid)
                     self.done(Exported(rid))
-                    self.emit({"kind": "sent", "rid": rid, "dst": dst, "bytes": nbytes,
-                                "seconds": time.perf_counter() - perf, "start": wall})
+                    self.emit(Sent(rid, dst, nbytes, seconds=time.perf_counter() - perf, start=wall))
             except Exception as e:   # this request's KV is not delivered; the thread serves the next
                 begun.pop(rid, None)
                 failed.add(rid)
                 if isinstance(item, SendEnd):
                     failed.discard(rid)
                 self.done(Exported(rid))           # its blocks go; the router retries it
-                self.emit({"kind": "send_failed", "rid": rid, "dst": dst, "reason": f"{type(e).__name__}: {e}"})
+                self.emit(SendFailed(rid, dst, f"{type(e).__name__}: {e}"))
 
     def _read_part(self, item: SendPart) -> torch.Tensor:
         """The part's KV out of the pool, in this thread (on a GPU: on this thread's stream, after

@@ -31,10 +31,10 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
+from router.attempt import Attempt
 from router.clock import WorkerClock
 from router.config import FaultConfig, RouterConfig
 from router.load_index import LoadIndex
@@ -47,31 +47,6 @@ from workers.request import InvalidRequest, SamplingParams, validate_request
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Attempt:
-    aid: str
-    record: RequestRecord
-    kind: str                      # colocated | local (prefilled on its decode worker) | handoff | whole
-    prefill: WorkerHandle          # computes the prompt
-    decode: WorkerHandle           # makes the remaining tokens (the same worker unless handoff)
-    prompt_len: int                # prompt + tokens streamed before this attempt
-    submitted_at: float
-    handoff_at: float | None = None             # router clock: first token in (set once it is)
-    first_token_time: float | None = None       # router clock: when the first token was made
-    decode_start: float | None = None           # router clock
-    sent: bool = False                          # the prefill worker put the KV on the wire
-    imported: bool = False                      # the decode worker has it (may be known before
-    num_tokens: int = 0                         # the first token: the workers report separately)
-    early: list = field(default_factory=list)   # decode-worker tokens that overtook the first token
-
-    @property
-    def phase(self) -> str:
-        """prefill -> (transfer ->) decode, derived from what has been seen, in whatever order."""
-        if self.handoff_at is None:
-            return "prefill"
-        return "transfer" if self.kind == "handoff" and not self.imported else "decode"
 
 
 class Router(RouterThreads, RouterEvents):

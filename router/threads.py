@@ -12,6 +12,7 @@ import threading
 
 import ray
 
+from cluster.events import BadEvent
 from cluster.pool import WorkerHandle
 from router.clock import best_probe
 
@@ -45,6 +46,8 @@ class RouterThreads:
                     for ev in reply["events"]:
                         try:
                             self._on_event(w, ev, now)
+                        except BadEvent as e:   # a worker of another version, or a bug on its side
+                            log.error("bad event from %s: %s", w.name, e)
                         except Exception:   # a router bug must not silence this worker's stream
                             log.exception("router error on %s event from %s", ev.get("kind"), w.name)
 
