@@ -93,6 +93,8 @@ def echo(*args, **kwargs) -> None:
     print(*args, **kwargs, flush=True)
     if bars:
         bars[-1]._draw()
+    for p in bars:                  # a result usually comes with a count: show the next at once
+        p._drawn_at = None
 
 
 def _isatty(stream) -> bool:
