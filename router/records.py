@@ -92,20 +92,3 @@ class StreamUpdate:
     token_ids: list[int]        # new tokens, in order
     token_times: list[float]    # router clock, one per new token
     done: bool                  # it has ended (ok or failed: read the record)
-
-
-MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
-
-
-def why_not_retry(rec, reason: str, crashed: bool, max_retries: int) -> str | None:
-    """After an attempt of `rec` failed for `reason`: the reason it fails for good instead of being
-    retried, or None when it is retried (the reason then noted in `rec.retried_for`). The router and
-    the simulator both decide by this."""
-    rec.crashes += crashed
-    if rec.crashes >= MAX_CRASHES:
-        return (f"{reason}; not retried: it was on {rec.crashes} workers that died while serving it, "
-                "and may be what killed them")
-    if rec.attempts > max_retries:
-        return f"{reason}; gave up after {rec.attempts} attempts (router.max_retries={max_retries})"
-    rec.retried_for.append(reason)
-    return None

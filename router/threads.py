@@ -83,13 +83,12 @@ class RouterThreads:
         while not self._stop.wait(0.05):
             now = self.clock()
             with self._lock:
-                for att in list(self._attempts.values()):
-                    if att.phase == "transfer" and not att.sent and now - att.handoff_at > self.transfer.timeout_s:
-                        self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
-                                         f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
+                for att in self.journeys.overdue(now, self.transfer.timeout_s):
+                    self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
+                                     f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
                 for rec in self.records.values():
                     if not rec.done and now - rec.arrival_s > self.cfg.request_timeout_s:
-                        for att in [a for a in self._attempts.values() if a.record is rec]:
+                        for att in self.journeys.of(rec):
                             self._drop(att)
                         self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.request_timeout_s:g}")
 

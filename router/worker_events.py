@@ -33,7 +33,7 @@ class RouterEvents:
             return self._on_dead(w, f"worker {w.name} failed: {ev.message.strip().splitlines()[-1]}")
         if isinstance(ev, (SendFailed, ImportFailed)):
             self.transport_errors.append(f"{w.name}: {ev.reason}")
-        att = self._attempts.get(ev.rid)
+        att = self.journeys.live.get(ev.rid)
         if att is None or w not in (att.prefill, att.decode):
             return                                   # a superseded attempt's, or a spoofed one
         self._ON_REQUEST_EVENT[type(ev)](self, att, w, ev)
@@ -68,7 +68,7 @@ class RouterEvents:
     def _on_step(self, w: WorkerHandle, ev: Step, now: float) -> None:
         made = self.on_router_clock(w, ev.end)
         for aid, token, finish in ev.tokens:
-            att = self._attempts.get(aid)
+            att = self.journeys.live.get(aid)
             if att is None:
                 continue
             if att.phase == "prefill" and w is not att.prefill:
@@ -90,23 +90,10 @@ class RouterEvents:
         rec.arrival_times.append(now)
         rec.worker_token_times.append(ev.end)
         rec.token_workers.append(w.name)
-        att.num_tokens += 1
-        self.loads[att.decode.rank].kv_tokens += 1
         started = ev.first_scheduled.get(att.aid)
         if started is not None:
             started = self.on_router_clock(w, started)
-        if att.phase == "prefill":
-            if started is not None:
-                rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), made - started
-            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-            att.handoff_at, att.first_token_time = now, made
-            if finish != "handoff":
-                att.decode_start = made
-        elif started is not None and att.kind == "handoff":   # decode worker's first step with it
-            att.decode_start = started
-            rec.handoff_s = started - att.first_token_time
-        if finish in ("length", "stop"):
-            rec.decode_s = made - att.decode_start if att.decode_start is not None else 0.0
+        if self.journeys.token(att, made, now, started, finish):
             self._finish(att, finish)
 
     def _on_dead(self, w: WorkerHandle, reason: str) -> None:
@@ -115,11 +102,9 @@ class RouterEvents:
         w.alive = False
         injected = w.rank in self._killed
         log.warning("%s", reason)
-        for att in list(self._attempts.values()):
-            lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
-            if att.decode is w or lost_prompt:
-                att.record.injected_fault = att.record.injected_fault or injected
-                self._retry(att, reason, crashed=not injected)
+        for att in self.journeys.lost_with(w):
+            att.record.injected_fault = att.record.injected_fault or injected
+            self._retry(att, reason, crashed=not injected)
 
     def _on_out_of_service(self, w: WorkerHandle, reason: str) -> None:
         """Its KV receiver stopped: no more handoffs to it; those under way go elsewhere. What it is
@@ -129,6 +114,5 @@ class RouterEvents:
             return
         w.in_service = False
         log.warning("%s takes no more KV: %s", w.name, reason)
-        for att in list(self._attempts.values()):
-            if att.decode is w and att.kind == "handoff" and not att.imported:
-                self._retry(att, f"{w.name} stopped receiving KV: {reason}")
+        for att in self.journeys.stranded_by(w):
+            self._retry(att, f"{w.name} stopped receiving KV: {reason}")

@@ -40,7 +40,7 @@ from router.config import FaultConfig, RouterConfig
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import why_not_retry
+from router.journey import why_not_retry
 from workers.config import EngineConfig
 
 
