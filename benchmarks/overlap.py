@@ -1,7 +1,7 @@
 """What layer-wise KV streaming buys: exposed transfer with transfer.stream=off against layer, 1P+1D.
 
-    python -m benchmarks.overlap [--shapes tiny,deep16] [--prompts 256,1024,4096] [--backends zmq,nccl]
-                                    [--repeats 3]
+    pdlab bench overlap [--shapes tiny,deep16] [--prompts 256,1024,4096] [--backends zmq,nccl]
+                        [--repeats 3]
 
 For each shape and transport one 1P+1D pool serves the same prompts, one request at a time, with the
 prefill worker switched between `off` (the KV follows the prefill) and `layer` (each layer's KV goes
@@ -94,7 +94,7 @@ def row_text(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdlab bench overlap", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="tiny,deep16")
     ap.add_argument("--prompts", default="256,1024,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--backends", default="zmq,nccl")

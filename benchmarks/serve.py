@@ -1,7 +1,7 @@
-"""A real load generator against the server, beside experiments.run serving the same workload.
+"""A real load generator against `pdlab serve` (experiments.server), beside experiments.run serving the same workload.
 
-    python -m benchmarks.serve [--guidellm PATH] [--layouts 1p1d,colocated-chunked] [--rate 4]
-                                 [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32] [--repeats 2]
+    pdlab bench serve [--guidellm PATH] [--layouts 1p1d,colocated-chunked] [--rate 4]
+                      [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32] [--repeats 2]
 
 For each layout, `--repeats` times interleaved: `python -m experiments.server` (tiny preset, a generated tokenizer as serve.tokenizer) is
 driven by GuideLLM (Poisson arrivals, synthetic prompts, streaming /v1/completions, greedy); then the
@@ -193,7 +193,7 @@ def spread(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdlab bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm", help="the guidellm executable")
     p.add_argument("--layouts", default="1p1d,colocated-chunked")
     p.add_argument("--rate", type=float, default=4.0)
