@@ -107,7 +107,8 @@ class Fatal:
     message: str
 
 
-WorkerEvent = Step | Rejected | Failed | Sent | SendFailed | Imported | ImportFailed | TransportError | OutOfService | Fatal
+WorkerEvent = (Step | Rejected | Failed | Sent | SendFailed | Imported | ImportFailed | TransportError | OutOfService
+               | Fatal)
 KINDS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(WorkerEvent)}
 
 

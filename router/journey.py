@@ -47,7 +47,8 @@ class Journey:
 
     def lost_with(self, worker) -> bool:
         """Whether this attempt dies with `worker`."""
-        holds_prompt = self.prefill is worker and (self.phase == "prefill" or (self.phase == "transfer" and not self.sent))
+        phase = self.phase
+        holds_prompt = self.prefill is worker and (phase == "prefill" or (phase == "transfer" and not self.sent))
         return self.decode is worker or holds_prompt
 
     def stranded_by(self, worker) -> bool:

@@ -40,7 +40,8 @@ def test_a_handoff_goes_prefill_transfer_decode_and_times_each_part():
     j, loads = book()
     att = Journey(Rec(), "handoff", P, D, 100, submitted_at=10.0)
     j.open("a", att)
-    assert att.phase == "prefill" and loads[0].prompt_tokens == 100 and (loads[1].running, loads[1].kv_tokens) == (1, 100)
+    assert att.phase == "prefill" and loads[0].prompt_tokens == 100
+    assert (loads[1].running, loads[1].kv_tokens) == (1, 100)
     assert not j.token(att, made=10.5, arrived=10.6, started=10.2, finish="handoff")
     assert att.phase == "transfer" and loads[0].prompt_tokens == 0 and loads[1].kv_tokens == 101
     assert att.record.queue_s == pytest.approx(0.2) and att.record.prefill_s == pytest.approx(0.3)
