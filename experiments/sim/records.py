@@ -88,7 +88,7 @@ class Attempt(Journey):
     left: int = field(default=0, kw_only=True)                 # tokens this attempt is asked for
     preq: object = field(default=None, kw_only=True)           # SimRequest on the prefill worker
     dreq: object = field(default=None, kw_only=True)           # SimRequest on the decode worker (handoff)
-    kv_due: float | None = field(default=None, kw_only=True)   # when its KV is due in (moved later by contention)
+    kv_due: float | None = field(default=None, kw_only=True)   # when its KV is due in (may move while in flight)
     nbytes: int = field(default=0, kw_only=True)
     live: bool = field(default=True, kw_only=True)
     drop_transfer: bool = field(default=False, kw_only=True)
