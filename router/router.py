@@ -37,10 +37,10 @@ from cluster.transfer.base import TransferConfig
 from router.attempt import Attempt
 from router.clock import WorkerClock
 from router.config import FaultConfig, RouterConfig
+from router.journey import Journeys, why_not_retry
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.journey import Journeys, why_not_retry
 from router.records import RequestRecord, StreamUpdate
 from router.threads import RouterThreads
 from router.worker_events import RouterEvents

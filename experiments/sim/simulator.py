@@ -37,10 +37,10 @@ from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
+from router.journey import Journeys, why_not_retry
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.journey import Journeys, why_not_retry
 from workers.config import EngineConfig
 
 
