@@ -21,22 +21,17 @@ class RouterEvents:
     def _on_event(self, w: WorkerHandle, raw: dict, now: float) -> None:
         """One event off the wire (a dict): checked once (cluster/events.py), then handled by its type."""
         ev = from_wire(raw)
-        if isinstance(ev, Step):
-            return self._on_step(w, ev, now)
-        if isinstance(ev, TransportError):
-            self.transport_errors.append(f"{w.name}: {ev.message}")
-            log.warning("%s: %s", w.name, ev.message)
-            return
-        if isinstance(ev, OutOfService):
-            return self._on_out_of_service(w, ev.reason)
-        if isinstance(ev, Fatal):
-            return self._on_dead(w, f"worker {w.name} failed: {ev.message.strip().splitlines()[-1]}")
+        on_worker = self._ON_WORKER_EVENT.get(type(ev))
+        if on_worker is not None:
+            return on_worker(self, w, ev, now)
         if isinstance(ev, (SendFailed, ImportFailed)):
             self.transport_errors.append(f"{w.name}: {ev.reason}")
         att = self.journeys.live.get(ev.rid)
         if att is None or w not in (att.prefill, att.decode):
             return                                   # a superseded attempt's, or a spoofed one
         self._ON_REQUEST_EVENT[type(ev)](self, att, w, ev)
+
+    # -- events of one request ------------------------------------------------------------------
 
     def _on_rejected(self, att: Attempt, w: WorkerHandle, ev: Rejected) -> None:
         self._drop(att)
@@ -65,6 +60,7 @@ class RouterEvents:
     _ON_REQUEST_EVENT = {Rejected: _on_rejected, Failed: _on_failed, Sent: _on_sent, Imported: _on_imported,
                          SendFailed: _on_transfer_failed, ImportFailed: _on_transfer_failed}
 
+    # -- events of the worker: its steps, its wires, its end --------------------------------------
     def _on_step(self, w: WorkerHandle, ev: Step, now: float) -> None:
         made = self.on_router_clock(w, ev.end)
         for aid, token, finish in ev.tokens:
@@ -116,3 +112,16 @@ class RouterEvents:
         log.warning("%s takes no more KV: %s", w.name, reason)
         for att in self.journeys.stranded_by(w):
             self._retry(att, f"{w.name} stopped receiving KV: {reason}")
+
+    def _on_transport_error(self, w: WorkerHandle, ev: TransportError, now: float) -> None:
+        self.transport_errors.append(f"{w.name}: {ev.message}")
+        log.warning("%s: %s", w.name, ev.message)
+
+    def _on_fatal(self, w: WorkerHandle, ev: Fatal, now: float) -> None:
+        self._on_dead(w, f"worker {w.name} failed: {ev.message.strip().splitlines()[-1]}")
+
+    def _on_receiver_stopped(self, w: WorkerHandle, ev: OutOfService, now: float) -> None:
+        self._on_out_of_service(w, ev.reason)
+
+    _ON_WORKER_EVENT = {Step: _on_step, TransportError: _on_transport_error, Fatal: _on_fatal,
+                        OutOfService: _on_receiver_stopped}

@@ -76,3 +76,10 @@ def test_the_router_checks_each_event_before_it_acts_and_a_bad_one_changes_nothi
         router._on_event(w, E.to_wire(E.Step(1.0, [(aid, 5, None)], {aid: 0.5})), 1.0)
         router._on_event(w, E.to_wire(E.Step(1.1, [(aid, 6, "length")])), 1.1)
     assert rec.status == "ok" and rec.output_ids == [5, 6]
+
+
+def test_the_router_handles_every_kind_once():
+    from router.worker_events import RouterEvents
+    worker, request = set(RouterEvents._ON_WORKER_EVENT), set(RouterEvents._ON_REQUEST_EVENT)
+    assert not worker & request and worker | request == set(E.KINDS.values())
+    assert all("rid" in {f.name for f in dataclasses.fields(cls)} for cls in request)
