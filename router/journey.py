@@ -10,15 +10,53 @@ attempts a failure takes down:
   prefilling, or prefilled with their KV not yet on the wire);
 - a decode worker that stops receiving KV: the handoffs to it whose KV it has not imported;
 - a KV transfer not on the wire `timeout_s` after its first token (transfer.timeout_s).
-Whether the request of an attempt taken down is tried again: `why_not_retry`. Each owner keeps its own
-records, clock and messages to workers; a Journey holds its owner's record without reading it, except
-for the durations that `token` writes (queue_s, prefill_s, handoff_s, decode_s), which both records have.
+Whether the request of an attempt taken down is tried again: `why_not_retry`. What the journey writes
+into a request's record (its end, attempts, workers and durations) is `JourneyRecord`, which the
+router's and the simulator's records extend with their own token times; each owner keeps its own
+clock and messages to workers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
+
+
+@dataclass(eq=False, kw_only=True)
+class JourneyRecord:
+    """What a request's journey writes into its record: how it ended, its attempts, where it ran, and the
+    durations of its last attempt. The router's RequestRecord and the simulator's Record are this with
+    their own token times (so requests.jsonl rows of both read the same fields)."""
+
+    status: str = "pending"                            # pending | ok | failed
+    end_time: float | None = None                      # last token made, or the failure
+    reason: str | None = None                          # why it failed
+    finish_reason: str | None = None                   # length | stop
+    attempts: int = 0                                  # 1 = served first time
+    retried_for: list[str] = field(default_factory=list)   # why each earlier attempt was given up
+    crashes: int = 0                                   # workers that died on their own while serving it
+    injected_fault: bool = False                       # an injected fault (kill, lost transfer) hit it
+    note: str | None = None                            # degraded serving, e.g. "served whole on prefill:0: ..."
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    queue_s: float | None = None                       # arrival -> first step that computed it
+    prefill_s: float | None = None                     # that step's start -> first token
+    transfer_s: float | None = None                    # sender's wire time for the KV
+    transfer_bytes: int = 0
+    handoff_s: float | None = None                     # first token -> decode worker's first step with it
+    decode_s: float | None = None                      # decode worker's first step -> last token
+    prefill_end: float | None = None                   # the prefill step that made the first token ended
+    kv_arrived: float | None = None                    # the last KV byte reached the decode worker
+
+    @property
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    def finish(self, finish_reason: str, end_time: float) -> None:
+        self.status, self.finish_reason, self.end_time = "ok", finish_reason, end_time
+
+    def fail(self, reason: str, end_time: float) -> None:
+        self.status, self.reason, self.end_time = "failed", reason, end_time
 
 
 @dataclass(eq=False)

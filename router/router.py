@@ -176,9 +176,9 @@ class Router(RouterThreads, RouterEvents):
             for att in self.journeys.of(rec):
                 self._drop(att)
             if finish_reason is not None and rec.token_times:
-                rec.status, rec.finish_reason, rec.end_time = "ok", finish_reason, rec.token_times[-1]
+                rec.finish(finish_reason, rec.token_times[-1])
             else:
-                rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+                rec.fail(reason, self.clock())
             log.info("request %s %s", rec.id, reason)
             self._lock.notify_all()
             return True
@@ -264,12 +264,11 @@ class Router(RouterThreads, RouterEvents):
 
     def _finish(self, att: Attempt, finish_reason: str) -> None:
         self._drop(att, abort=False)
-        att.record.status, att.record.finish_reason = "ok", finish_reason
-        att.record.end_time = att.record.token_times[-1]
+        att.record.finish(finish_reason, att.record.token_times[-1])
         self._lock.notify_all()
 
     def _fail(self, rec: RequestRecord, reason: str) -> None:
-        rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+        rec.fail(reason, self.clock())
         log.warning("request %s failed: %s", rec.id, reason)
         self._lock.notify_all()
 

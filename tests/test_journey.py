@@ -104,3 +104,22 @@ def test_retries_end_after_two_crashes_or_max_retries():
     assert rec.crashes == MAX_CRASHES and "not retried: it was on 2 workers that died" in said
     rec = Rec(attempts=4)
     assert "gave up after 4 attempts (router.max_retries=3)" in why_not_retry(rec, "lost", False, 3)
+
+
+def test_the_router_and_the_simulator_keep_the_same_journey_in_their_records():
+    import dataclasses
+
+    from experiments.sim.records import Record
+    from router.journey import JourneyRecord
+    from router.records import RequestRecord
+
+    shared = {f.name for f in dataclasses.fields(JourneyRecord)}
+    for cls in (RequestRecord, Record):
+        assert issubclass(cls, JourneyRecord) and shared <= {f.name for f in dataclasses.fields(cls)}
+    real, sim = RequestRecord("a", [1, 2], 4, 0.0), Record("a", 2, 4, 0.0)      # positional as their owners build them
+    for rec in (real, sim):
+        assert not rec.done
+        rec.finish("length", 3.0)
+        assert rec.done and (rec.status, rec.finish_reason, rec.end_time) == ("ok", "length", 3.0)
+    sim.fail("worker died", 4.0)
+    assert (sim.status, sim.reason, sim.end_time) == ("failed", "worker died", 4.0)

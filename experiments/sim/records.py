@@ -1,6 +1,6 @@
 """The simulated router's records, and the files a run writes from them (experiments/FORMATS.md).
 
-`Record` mirrors router/records.py's RequestRecord (the fields requests.jsonl shows), with the token
+`Record` is router/journey.py's JourneyRecord (the fields requests.jsonl shows, as the router's), with the token
 times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
 times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it reached the router
 (`client_*`); the simulated router's clock is the workers' clock;
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from experiments.serving.metrics import request_fields
-from router.journey import Journey
+from router.journey import Journey, JourneyRecord
 
 
 @dataclass(eq=False)
-class Record:
+class Record(JourneyRecord):
     id: str
     prompt_len: int
     max_tokens: int
@@ -29,29 +29,6 @@ class Record:
     num_out: int = 0
     first_time: float | None = None
     last_time: float | None = None
-    status: str = "pending"
-    end_time: float | None = None
-    reason: str | None = None
-    finish_reason: str | None = None
-    attempts: int = 0
-    retried_for: list = field(default_factory=list)   # why each earlier attempt was given up
-    crashes: int = 0
-    injected_fault: bool = False
-    note: str | None = None
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    transfer_s: float | None = None
-    transfer_bytes: int = 0
-    handoff_s: float | None = None
-    decode_s: float | None = None
-    prefill_end: float | None = None               # the step that made the first token ended
-    kv_arrived: float | None = None                # the last KV byte reached the decode worker
-
-    @property
-    def done(self) -> bool:
-        return self.status != "pending"
 
     def add_times(self, t, at, n: int) -> None:
         """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""

@@ -236,12 +236,12 @@ class Simulator(KVTransfers, WorkerSteps):
     def _finish(self, att: Attempt, reason: str) -> None:
         self._drop(att, abort=False)
         rec = att.rec
-        rec.status, rec.finish_reason, rec.end_time = "ok", reason, rec.last_time
+        rec.finish(reason, rec.last_time)
 
     def _fail(self, rec: Record, reason: str) -> None:
         if rec.done:
             return
-        rec.status, rec.reason, rec.end_time = "failed", reason, self.now
+        rec.fail(reason, self.now)
 
     def _retry(self, att: Attempt, reason: str, crashed: bool = False) -> None:
         if not att.live:
