@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cluster.events import Imported, ImportFailed, WorkerEvent
 from cluster.transfer.base import Begin, Cancel, Delivery, End, Part
 from cluster.transfer.staging import fence_import
 from cluster.transfer.wire import KVHandoff
@@ -57,7 +58,7 @@ class Incoming:
 
 
 class KVIn:
-    def __init__(self, engine: Engine, emit: Callable[[dict], None]):
+    def __init__(self, engine: Engine, emit: Callable[[WorkerEvent], None]):
         self.engine = engine
         self.emit = emit
         self.incoming: dict[str, Incoming] = {}      # arrival order
@@ -76,7 +77,7 @@ class KVIn:
             try:   # refused at once if it could never be imported here: waiting would block those behind it
                 self.engine.validate(rid, d.handoff.prompt_ids, d.handoff.params)
             except Exception as e:
-                self.emit({"kind": "import_failed", "rid": rid, "reason": reason_of(e)})
+                self.emit(ImportFailed(rid, reason_of(e)))
                 return
             self.incoming[rid] = Incoming(d.handoff)
         elif isinstance(d, Part):
@@ -106,7 +107,7 @@ class KVIn:
                 self.engine.begin_import(rid, h.prompt_ids, h.params)
             except Exception as e:
                 self.end(rid)
-                self.emit({"kind": "import_failed", "rid": rid, "reason": reason_of(e)})
+                self.emit(ImportFailed(rid, reason_of(e)))
                 continue
             inc.began = True
             staged, inc.staged = inc.staged, []
@@ -125,7 +126,7 @@ class KVIn:
             return True
         except Exception as e:   # refused, or failed while copying in: its blocks are freed
             self.end(rid)
-            self.emit({"kind": "import_failed", "rid": rid, "reason": reason_of(e)})
+            self.emit(ImportFailed(rid, reason_of(e)))
             return False
         finally:
             part.release()                        # copied into the pool, or refused: done with it
@@ -136,10 +137,10 @@ class KVIn:
             self.engine.finish_import(rid, end.first_token)
         except Exception as e:
             self.engine.abort(rid, "import failed")
-            self.emit({"kind": "import_failed", "rid": rid, "reason": reason_of(e)})
+            self.emit(ImportFailed(rid, reason_of(e)))
             return
-        self.emit({"kind": "imported", "rid": rid, "bytes": end.nbytes, "recv_s": end.recv_s,
-                    "arrived": end.arrived, "prefill_end": end.first_token_time, "time": time.time()})
+        self.emit(Imported(rid, end.nbytes, end.recv_s, arrived=end.arrived, time=time.time(),
+                           prefill_end=end.first_token_time))
 
     def end(self, rid: str) -> bool:
         """Forget a transfer here: its import (if begun) aborted, its waiting parts released."""

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from cluster.events import SendFailed, Sent, TransportError, WorkerEvent
 from cluster.kv_in import reason_of
 from cluster.transfer import staging
 from cluster.transfer.wire import KVHandoff, handoff_for
@@ -64,7 +65,7 @@ class SendCancel:
 
 
 class KVOut:
-    def __init__(self, engine: Engine, emit: Callable[[dict], None], done: Callable[[Exported], None],
+    def __init__(self, engine: Engine, emit: Callable[[WorkerEvent], None], done: Callable[[Exported], None],
                  transport: Callable[[], object]):
         self.engine = engine
         self.emit = emit
@@ -152,8 +153,8 @@ class KVOut:
             except Exception as e:   # a bug of this loop's own (or of a callback): said, and on to the next
                 rid = getattr(item, "rid", None) or getattr(getattr(item, "handoff", None), "request_id", None)
                 try:
-                    self.emit({"kind": "send_failed", "rid": rid, "dst": dst,
-                               "reason": f"sender thread: {type(e).__name__}: {str(e)[:300]}"})
+                    why = f"sender thread to {dst}: {type(e).__name__}: {str(e)[:300]}"
+                    self.emit(SendFailed(rid, dst, why) if isinstance(rid, str) else TransportError(why))
                 except Exception:
                     print(f"kv sender to {dst}: {traceback.format_exc(limit=4)}", file=sys.stderr, flush=True)
 
@@ -195,15 +196,14 @@ class KVOut:
                 ch.end(rid, item.first_token, item.first_token_time)
                 wall, perf, nbytes = begun.pop(rid)
                 self.done(Exported(rid))
-                self.emit({"kind": "sent", "rid": rid, "dst": dst, "bytes": nbytes,
-                           "seconds": time.perf_counter() - perf, "start": wall})
+                self.emit(Sent(rid, dst, nbytes, seconds=time.perf_counter() - perf, start=wall))
         except Exception as e:   # this request's KV is not delivered; the thread serves the next
             begun.pop(rid, None)
             failed.add(rid)
             if isinstance(item, SendEnd):
                 failed.discard(rid)
             self.done(Exported(rid))           # its blocks go; the router retries it
-            self.emit({"kind": "send_failed", "rid": rid, "dst": dst, "reason": f"{type(e).__name__}: {str(e)[:300]}"})
+            self.emit(SendFailed(rid, dst, f"{type(e).__name__}: {str(e)[:300]}"))
 
     def _read_part(self, item: SendPart) -> torch.Tensor:
         """The part's KV out of the pool, in this thread (on a GPU: on this thread's stream, after

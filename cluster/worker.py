@@ -16,20 +16,8 @@ into the request's blocks as it lands).
 Times in events are this worker's clock (time.time()); the router reads it through `clock` probes and
 converts every time to its own clock (router/clock.py).
 
-Events (plain dicts, one per kind):
-    step      end, tokens [[rid, token, finish_reason|None]], first_scheduled {rid: t}
-              end: when the step's forward pass and sampling finished, the time of each of its tokens
-    rejected  rid, reason                         the engine refused the request
-    failed    rid, reason                         it failed while being served; its blocks are freed
-    sent      rid, dst, bytes, seconds, start     KV handed to the wire, the end included (start: its begin)
-    send_failed rid, dst, reason                  (a refusal by the receiver included)
-    imported  rid, bytes, recv_s, arrived, prefill_end, time   every part is in this engine's pool
-                                                  (arrived: last byte in; prefill_end: the prefill
-                                                  worker's clock when its step made the first token)
-    import_failed rid, reason                     (a transfer the receiver dropped included)
-    transport_error message                       a wire problem tied to no request
-    out_of_service reason                         this worker can receive no more KV
-    fatal     message                             the loop died; the worker is out of service
+Events: the records of cluster/events.py (step, rejected, failed, sent, send_failed, imported,
+import_failed, transport_error, out_of_service, fatal), sent as tagged dicts (`to_wire`).
 """
 from __future__ import annotations
 
@@ -43,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.events import (Failed, Fatal, ImportFailed, OutOfService, Rejected, Step, TransportError, WorkerEvent,
+                            to_wire)
 from cluster.isolation import pin_process, usable_cores
 from cluster.kv_in import KVIn, RecentIds, reason_of
 from cluster.kv_out import Exported, KVOut
@@ -128,7 +118,7 @@ class Worker:
         self.engine = Engine(model, engine_cfg)
         self.transport = None
         self._inbox: queue.Queue = queue.Queue()
-        self._events: list[dict] = []
+        self._events: list[dict] = []     # to_wire(event) of each WorkerEvent
         self._cond = threading.Condition()
         self._aborted = RecentIds(ABORTED_KEPT)      # late KV of these is dropped on arrival
         self.kv_in = KVIn(self.engine, self._emit)                    # decode role: KV arriving
@@ -238,19 +228,19 @@ class Worker:
                 "num_steps": e.num_steps, "num_preempted": e.num_preempted}
 
     # -- the loop thread ------------------------------------------------------------------------
-    def _emit(self, event: dict) -> None:
+    def _emit(self, event: WorkerEvent) -> None:
         with self._cond:
-            self._events.append(event)
+            self._events.append(to_wire(event))
             self._cond.notify_all()
 
     def _on_transfer_problem(self, p: TransferProblem) -> None:
         """From a receive thread: tie the problem to its request when known, else to this worker."""
         if p.fatal:
-            self._emit({"kind": "out_of_service", "reason": p.reason})
+            self._emit(OutOfService(p.reason))
         elif p.request_id is not None:    # the loop thread ends its import (if begun) and says so
             self._inbox.put(Dropped(p.request_id, p.reason))
         else:
-            self._emit({"kind": "transport_error", "message": p.reason})
+            self._emit(TransportError(p.reason))
 
     def _run(self) -> None:
         try:
@@ -270,7 +260,7 @@ class Worker:
                 if self.engine.has_work():
                     self._step()
         except Exception:
-            self._emit({"kind": "fatal", "message": traceback.format_exc(limit=8)})
+            self._emit(Fatal(traceback.format_exc(limit=8)))
             self._alive = False
 
     def _handle(self, item) -> None:
@@ -279,7 +269,7 @@ class Worker:
                 self.engine.add_request(item.rid, item.prompt_ids, item.params, arrival_time=item.time,
                                         whole=item.whole)
             except Exception as e:   # InvalidRequest, or anything the rules missed: this request alone
-                self._emit({"kind": "rejected", "rid": item.rid, "reason": reason_of(e)})
+                self._emit(Rejected(item.rid, reason_of(e)))
                 return
             if item.dst is not None and not item.whole:
                 self.out.dst[item.rid] = item.dst
@@ -314,13 +304,13 @@ class Worker:
             self.kv_in.receive(item.delivery, self._aborted)
         elif isinstance(item, Dropped):
             if self.kv_in.end(item.rid):
-                self._emit({"kind": "import_failed", "rid": item.rid, "reason": item.reason})
+                self._emit(ImportFailed(item.rid, item.reason))
         elif isinstance(item, Exported):
             req = self.engine.requests.get(item.rid)
             if item.failure is not None:
                 if req is not None:
                     self.engine.abort(item.rid, item.failure)
-                self._emit({"kind": "failed", "rid": item.rid, "reason": item.failure})
+                self._emit(Failed(item.rid, item.failure))
             elif req is not None and req.status.value == "handoff":
                 self.engine.release(item.rid)
 
@@ -336,7 +326,7 @@ class Worker:
                 failed.append(ev)
                 continue
             end = ev.time if end is None else end
-            tokens.append([ev.request_id, ev.token, ev.finish_reason])
+            tokens.append((ev.request_id, ev.token, ev.finish_reason))
             if ev.first_scheduled is not None:
                 first_scheduled[ev.request_id] = ev.first_scheduled
             if ev.finish_reason == "handoff":
@@ -347,11 +337,11 @@ class Worker:
             elif ev.finish_reason is not None:
                 self.out.cancel(ev.request_id, "finished on the prefill worker")
         if tokens:
-            self._emit({"kind": "step", "end": end, "tokens": tokens, "first_scheduled": first_scheduled})
+            self._emit(Step(end, tokens, first_scheduled))
         for ev in failed:
             self.out.cancel(ev.request_id, f"failed on the prefill worker: {ev.reason}")
             self.out.dst.pop(ev.request_id, None)
-            self._emit({"kind": "failed", "rid": ev.request_id, "reason": ev.reason})
+            self._emit(Failed(ev.request_id, ev.reason))
 
 def _node_id() -> str | None:
     try:

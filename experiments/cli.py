@@ -22,11 +22,11 @@ COMMANDS = {   # name: (module, what it does)
     "generate": ("workers.generate", "greedy or sampled generation from one in-process engine"),
 }
 BENCHES = {
-    "engine": ("workers.bench", "engine steps against Hugging Face and the matmul floor"),
-    "transfer": ("cluster.transfer_bench", "KV transfer bandwidth over each wire"),
-    "overlap": ("cluster.overlap_bench", "how much of a streamed transfer hides behind the prefill"),
-    "serve": ("router.serve_bench", "the HTTP server under an OpenAI-client load"),
-    "overhead": ("router.overhead_bench", "the router's own cost per request"),
+    "engine": ("benchmarks.engine", "engine steps against Hugging Face and the matmul floor"),
+    "transfer": ("benchmarks.transfer", "KV transfer bandwidth over each wire"),
+    "overlap": ("benchmarks.overlap", "how much of a streamed transfer hides behind the prefill"),
+    "serve": ("benchmarks.serve", "the HTTP server under an OpenAI-client load"),
+    "overhead": ("benchmarks.overhead", "the router's own cost per request"),
     "sim": ("experiments.sim.bench", "simulator speed at scale"),
 }
 

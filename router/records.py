@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from router.journey import JourneyRecord
+
 
 @dataclass
-class RequestRecord:
+class RequestRecord(JourneyRecord):
     id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -19,36 +21,13 @@ class RequestRecord:
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)   # router clock: when each token was made
     arrival_times: list[float] = field(default_factory=list)  # router clock: when each token reached it
-    status: str = "pending"                            # pending | ok | failed
-    end_time: float | None = None                      # router clock: last token made, or the failure
-    reason: str | None = None                          # why it failed
-    finish_reason: str | None = None                   # length | stop
-    attempts: int = 0                                  # 1 = served first time
-    retried_for: list[str] = field(default_factory=list)   # why each earlier attempt was given up
-    crashes: int = 0                                   # workers that died on their own while serving it
-    injected_fault: bool = False                       # an injected fault (kill, lost transfer) hit it
-    note: str | None = None                            # degraded serving, e.g. "served whole on prefill:0: ..."
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    queue_s: float | None = None                       # arrival -> first step that computed it
-    prefill_s: float | None = None                     # that step's start -> first token
-    transfer_s: float | None = None                    # sender's wire time for the KV
-    transfer_bytes: int = 0
-    handoff_s: float | None = None                     # first token -> decode worker's first step with it
     kv_send_start: float | None = None                 # router clock: the prefill worker began sending KV
-    kv_arrived: float | None = None                    # router clock: last KV byte in at the decode worker
-    prefill_end: float | None = None                   # router clock: the prefill step that made the first token ended
-    decode_s: float | None = None                      # decode worker's first step -> last token
     worker_token_times: list[float] = field(default_factory=list)  # its worker's clock: when each token was made
     token_workers: list[str] = field(default_factory=list)  # the worker that made each token ("decode:0")
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def done(self) -> bool:
-        return self.status != "pending"
 
     @property
     def ttft_s(self) -> float | None:
@@ -92,20 +71,3 @@ class StreamUpdate:
     token_ids: list[int]        # new tokens, in order
     token_times: list[float]    # router clock, one per new token
     done: bool                  # it has ended (ok or failed: read the record)
-
-
-MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
-
-
-def why_not_retry(rec, reason: str, crashed: bool, max_retries: int) -> str | None:
-    """After an attempt of `rec` failed for `reason`: the reason it fails for good instead of being
-    retried, or None when it is retried (the reason then noted in `rec.retried_for`). The router and
-    the simulator both decide by this."""
-    rec.crashes += crashed
-    if rec.crashes >= MAX_CRASHES:
-        return (f"{reason}; not retried: it was on {rec.crashes} workers that died while serving it, "
-                "and may be what killed them")
-    if rec.attempts > max_retries:
-        return f"{reason}; gave up after {rec.attempts} attempts (router.max_retries={max_retries})"
-    rec.retried_for.append(reason)
-    return None

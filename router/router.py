@@ -13,7 +13,7 @@ Each try of a request is an *attempt* with its own id on the workers ("<router>:
 superseded attempt are ignored. A retry re-prefills the prompt plus the tokens already streamed
 and asks for the rest, so the client's stream continues without repeats.
 
-What fails and what is retried:
+What fails and what is retried (router/journey.py, whose rules the simulator shares):
 - rejected at admission, before any worker: a request breaking the rules of workers/request.py, or
   one no worker's pool or the KV wire's limits could ever hold (placement.never_fits);
 - failed, not retried: a request a worker rejected or failed while serving it (its own error is the
@@ -31,47 +31,23 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from cluster.pool import WorkerHandle, WorkerPool
 from cluster.transfer.base import TransferConfig
+from router.attempt import Attempt
 from router.clock import WorkerClock
 from router.config import FaultConfig, RouterConfig
+from router.journey import Journeys, why_not_retry
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import RequestRecord, StreamUpdate, why_not_retry
+from router.records import RequestRecord, StreamUpdate
 from router.threads import RouterThreads
 from router.worker_events import RouterEvents
 from workers.request import InvalidRequest, SamplingParams, validate_request
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Attempt:
-    aid: str
-    record: RequestRecord
-    kind: str                      # colocated | local (prefilled on its decode worker) | handoff | whole
-    prefill: WorkerHandle          # computes the prompt
-    decode: WorkerHandle           # makes the remaining tokens (the same worker unless handoff)
-    prompt_len: int                # prompt + tokens streamed before this attempt
-    submitted_at: float
-    handoff_at: float | None = None             # router clock: first token in (set once it is)
-    first_token_time: float | None = None       # router clock: when the first token was made
-    decode_start: float | None = None           # router clock
-    sent: bool = False                          # the prefill worker put the KV on the wire
-    imported: bool = False                      # the decode worker has it (may be known before
-    num_tokens: int = 0                         # the first token: the workers report separately)
-    early: list = field(default_factory=list)   # decode-worker tokens that overtook the first token
-
-    @property
-    def phase(self) -> str:
-        """prefill -> (transfer ->) decode, derived from what has been seen, in whatever order."""
-        if self.handoff_at is None:
-            return "prefill"
-        return "transfer" if self.kind == "handoff" and not self.imported else "decode"
 
 
 class Router(RouterThreads, RouterEvents):
@@ -83,11 +59,11 @@ class Router(RouterThreads, RouterEvents):
         self.vocab_size, self.max_model_len = info["vocab_size"], min(w.info["max_model_len"] for w in pool.workers)
         self.loads = {w.rank: WorkerLoad(w.name, w.info["num_kv_blocks"] * w.info["block_size"]) for w in pool.workers}
         self.index = LoadIndex(pool.workers, self.loads)      # placement without looking at every worker
+        self.journeys = Journeys(self.loads)                 # the attempts in flight, by attempt id
         self.prefill_policy = PREFILL_POLICIES[cfg.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.decode_policy]()
         self.records: dict[str, RequestRecord] = {}
         self._params: dict[str, SamplingParams] = {}
-        self._attempts: dict[str, Attempt] = {}
         self._num_handoffs = 0
         self.transport_errors: list[str] = []
         self._lock = threading.Condition()
@@ -197,12 +173,12 @@ class Router(RouterThreads, RouterEvents):
             rec = self.records.get(request_id)
             if rec is None or rec.done:
                 return False
-            for att in [a for a in self._attempts.values() if a.record is rec]:
+            for att in self.journeys.of(rec):
                 self._drop(att)
             if finish_reason is not None and rec.token_times:
-                rec.status, rec.finish_reason, rec.end_time = "ok", finish_reason, rec.token_times[-1]
+                rec.finish(finish_reason, rec.token_times[-1])
             else:
-                rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+                rec.fail(reason, self.clock())
             log.info("request %s %s", rec.id, reason)
             self._lock.notify_all()
             return True
@@ -266,12 +242,9 @@ class Router(RouterThreads, RouterEvents):
                 log.warning("degraded serving: %s", chosen.note)
         rec.attempts += 1
         self._num_attempts += 1
-        att = Attempt(f"{self._tag}:{self._num_attempts}", rec, kind, prefill, decode, n, self.clock())
-        self._attempts[att.aid] = att
+        att = Attempt(rec, kind, prefill, decode, n, self.clock(), aid=f"{self._tag}:{self._num_attempts}")
+        self.journeys.open(att.aid, att)
         rec.prefill_worker, rec.decode_worker = prefill.name, decode.name
-        self.loads[prefill.rank].prompt_tokens += n
-        self.loads[decode.rank].running += 1
-        self.loads[decode.rank].kv_tokens += n
         drop = False
         if kind == "handoff":
             self._num_handoffs += 1
@@ -283,30 +256,24 @@ class Router(RouterThreads, RouterEvents):
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         """Forget an attempt: release its load and (unless it finished) tell live workers to drop it."""
-        if self._attempts.pop(att.aid, None) is None:
+        if self.journeys.close(att.aid) is None:
             return
-        if att.phase == "prefill":
-            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-        load = self.loads[att.decode.rank]
-        load.running -= 1
-        load.kv_tokens -= att.prompt_len + att.num_tokens
         for w in {att.prefill, att.decode} if abort else ():
             if w.alive:
                 w.actor.abort.remote(att.aid)
 
     def _finish(self, att: Attempt, finish_reason: str) -> None:
         self._drop(att, abort=False)
-        att.record.status, att.record.finish_reason = "ok", finish_reason
-        att.record.end_time = att.record.token_times[-1]
+        att.record.finish(finish_reason, att.record.token_times[-1])
         self._lock.notify_all()
 
     def _fail(self, rec: RequestRecord, reason: str) -> None:
-        rec.status, rec.reason, rec.end_time = "failed", reason, self.clock()
+        rec.fail(reason, self.clock())
         log.warning("request %s failed: %s", rec.id, reason)
         self._lock.notify_all()
 
     def _retry(self, att: Attempt, reason: str, crashed: bool = False) -> None:
-        if att.aid not in self._attempts:
+        if att.aid not in self.journeys.live:
             return
         self._drop(att)
         rec = att.record

@@ -12,6 +12,7 @@ import threading
 
 import ray
 
+from cluster.events import BadEvent
 from cluster.pool import WorkerHandle
 from router.clock import best_probe
 
@@ -45,6 +46,8 @@ class RouterThreads:
                     for ev in reply["events"]:
                         try:
                             self._on_event(w, ev, now)
+                        except BadEvent as e:   # a worker of another version, or a bug on its side
+                            log.error("bad event from %s: %s", w.name, e)
                         except Exception:   # a router bug must not silence this worker's stream
                             log.exception("router error on %s event from %s", ev.get("kind"), w.name)
 
@@ -80,13 +83,12 @@ class RouterThreads:
         while not self._stop.wait(0.05):
             now = self.clock()
             with self._lock:
-                for att in list(self._attempts.values()):
-                    if att.phase == "transfer" and not att.sent and now - att.handoff_at > self.transfer.timeout_s:
-                        self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
-                                         f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
+                for att in self.journeys.overdue(now, self.transfer.timeout_s):
+                    self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} timed out after "
+                                     f"{self.transfer.timeout_s:g} s (transfer.timeout_s)")
                 for rec in self.records.values():
                     if not rec.done and now - rec.arrival_s > self.cfg.request_timeout_s:
-                        for att in [a for a in self._attempts.values() if a.record is rec]:
+                        for att in self.journeys.of(rec):
                             self._drop(att)
                         self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.request_timeout_s:g}")
 

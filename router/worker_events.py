@@ -8,95 +8,88 @@ poll threads (router/threads.py), one event at a time per worker, in the order t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+from cluster.events import (Failed, Fatal, Imported, ImportFailed, OutOfService, Rejected, SendFailed, Sent, Step,
+                            TransportError, from_wire)
 from cluster.pool import WorkerHandle
-
-if TYPE_CHECKING:
-    from router.router import Attempt
+from router.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
 
 class RouterEvents:
-    def _on_event(self, w: WorkerHandle, ev: dict, now: float) -> None:
-        kind = ev["kind"]
-        if kind == "step":
-            return self._on_step(w, ev, now)
-        if kind == "transport_error":
-            self.transport_errors.append(f"{w.name}: {ev['message']}")
-            log.warning("%s: %s", w.name, ev["message"])
-            return
-        if kind == "out_of_service":
-            return self._on_out_of_service(w, ev["reason"])
-        if kind == "fatal":
-            return self._on_dead(w, f"worker {w.name} failed: {ev['message'].strip().splitlines()[-1]}")
-        att = self._attempts.get(ev["rid"])
-        if kind in ("send_failed", "import_failed"):
-            self.transport_errors.append(f"{w.name}: {ev['reason']}")
+    def _on_event(self, w: WorkerHandle, raw: dict, now: float) -> None:
+        """One event off the wire (a dict): checked once (cluster/events.py), then handled by its type."""
+        ev = from_wire(raw)
+        on_worker = self._ON_WORKER_EVENT.get(type(ev))
+        if on_worker is not None:
+            return on_worker(self, w, ev, now)
+        if isinstance(ev, (SendFailed, ImportFailed)):
+            self.transport_errors.append(f"{w.name}: {ev.reason}")
+        att = self.journeys.live.get(ev.rid)
         if att is None or w not in (att.prefill, att.decode):
-            return
-        if kind == "rejected":
-            self._drop(att)
-            self._fail(att.record, f"rejected by {w.name}: {ev['reason']}")
-        elif kind == "failed":
-            self._drop(att)
-            self._fail(att.record, f"failed on {w.name}: {ev['reason']}")
-        elif kind == "sent":
-            att.sent = True
-            rec = att.record
-            rec.transfer_s, rec.transfer_bytes = ev["seconds"], ev["bytes"]
-            rec.kv_send_start = self.on_router_clock(w, ev["start"])
-        elif kind == "imported":
-            att.imported = True
-            att.record.kv_arrived = self.on_router_clock(w, ev["arrived"])
-            if ev.get("prefill_end") is not None:            # stamped by the prefill worker's clock
-                att.record.prefill_end = self.on_router_clock(att.prefill, ev["prefill_end"])
-        elif kind in ("send_failed", "import_failed") and att.kind == "handoff":
-            self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev['reason']}")
+            return                                   # a superseded attempt's, or a spoofed one
+        self._ON_REQUEST_EVENT[type(ev)](self, att, w, ev)
 
-    def _on_step(self, w: WorkerHandle, ev: dict, now: float) -> None:
-        ev = {**ev, "made": self.on_router_clock(w, ev["end"])}
-        for aid, token, finish in ev["tokens"]:
-            att = self._attempts.get(aid)
+    # -- events of one request ------------------------------------------------------------------
+
+    def _on_rejected(self, att: Attempt, w: WorkerHandle, ev: Rejected) -> None:
+        self._drop(att)
+        self._fail(att.record, f"rejected by {w.name}: {ev.reason}")
+
+    def _on_failed(self, att: Attempt, w: WorkerHandle, ev: Failed) -> None:
+        self._drop(att)
+        self._fail(att.record, f"failed on {w.name}: {ev.reason}")
+
+    def _on_sent(self, att: Attempt, w: WorkerHandle, ev: Sent) -> None:
+        att.sent = True
+        rec = att.record
+        rec.transfer_s, rec.transfer_bytes = ev.seconds, ev.bytes
+        rec.kv_send_start = self.on_router_clock(w, ev.start)
+
+    def _on_imported(self, att: Attempt, w: WorkerHandle, ev: Imported) -> None:
+        att.imported = True
+        att.record.kv_arrived = self.on_router_clock(w, ev.arrived)
+        if ev.prefill_end is not None:                   # stamped by the prefill worker's clock
+            att.record.prefill_end = self.on_router_clock(att.prefill, ev.prefill_end)
+
+    def _on_transfer_failed(self, att: Attempt, w: WorkerHandle, ev: SendFailed | ImportFailed) -> None:
+        if att.kind == "handoff":
+            self._retry(att, f"KV transfer {att.prefill.name} -> {att.decode.name} failed: {ev.reason}")
+
+    _ON_REQUEST_EVENT = {Rejected: _on_rejected, Failed: _on_failed, Sent: _on_sent, Imported: _on_imported,
+                         SendFailed: _on_transfer_failed, ImportFailed: _on_transfer_failed}
+
+    # -- events of the worker: its steps, its wires, its end --------------------------------------
+    def _on_step(self, w: WorkerHandle, ev: Step, now: float) -> None:
+        made = self.on_router_clock(w, ev.end)
+        for aid, token, finish in ev.tokens:
+            att = self.journeys.live.get(aid)
             if att is None:
                 continue
             if att.phase == "prefill" and w is not att.prefill:
                 # the decode worker's tokens overtook the prefill worker's first token: hold them
-                att.early.append((w, token, finish, ev, now))
+                att.early.append((w, token, finish, ev, made, now))
                 continue
-            self._on_token(att, w, token, finish, ev, now)
+            self._on_token(att, w, token, finish, ev, made, now)
             if att.early and att.phase != "prefill":
                 for early in att.early:
                     self._on_token(att, *early)
                 att.early.clear()
         self._lock.notify_all()
 
-    def _on_token(self, att: Attempt, w: WorkerHandle, token: int, finish, ev: dict, now: float) -> None:
-        """`ev["made"]`: the step's end on the router's clock; `now`: when its poll reply came in."""
-        rec, made = att.record, ev["made"]
+    def _on_token(self, att: Attempt, w: WorkerHandle, token: int, finish, ev: Step, made: float, now: float) -> None:
+        """`made`: the step's end on the router's clock; `now`: when its poll reply came in."""
+        rec = att.record
         rec.output_ids.append(token)
         rec.token_times.append(made)
         rec.arrival_times.append(now)
-        rec.worker_token_times.append(ev["end"])
+        rec.worker_token_times.append(ev.end)
         rec.token_workers.append(w.name)
-        att.num_tokens += 1
-        self.loads[att.decode.rank].kv_tokens += 1
-        started = ev["first_scheduled"].get(att.aid)
+        started = ev.first_scheduled.get(att.aid)
         if started is not None:
             started = self.on_router_clock(w, started)
-        if att.phase == "prefill":
-            if started is not None:
-                rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), made - started
-            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-            att.handoff_at, att.first_token_time = now, made
-            if finish != "handoff":
-                att.decode_start = made
-        elif started is not None and att.kind == "handoff":   # decode worker's first step with it
-            att.decode_start = started
-            rec.handoff_s = started - att.first_token_time
-        if finish in ("length", "stop"):
-            rec.decode_s = made - att.decode_start if att.decode_start is not None else 0.0
+        if self.journeys.token(att, made, now, started, finish):
             self._finish(att, finish)
 
     def _on_dead(self, w: WorkerHandle, reason: str) -> None:
@@ -105,11 +98,9 @@ class RouterEvents:
         w.alive = False
         injected = w.rank in self._killed
         log.warning("%s", reason)
-        for att in list(self._attempts.values()):
-            lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
-            if att.decode is w or lost_prompt:
-                att.record.injected_fault = att.record.injected_fault or injected
-                self._retry(att, reason, crashed=not injected)
+        for att in self.journeys.lost_with(w):
+            att.record.injected_fault = att.record.injected_fault or injected
+            self._retry(att, reason, crashed=not injected)
 
     def _on_out_of_service(self, w: WorkerHandle, reason: str) -> None:
         """Its KV receiver stopped: no more handoffs to it; those under way go elsewhere. What it is
@@ -119,6 +110,18 @@ class RouterEvents:
             return
         w.in_service = False
         log.warning("%s takes no more KV: %s", w.name, reason)
-        for att in list(self._attempts.values()):
-            if att.decode is w and att.kind == "handoff" and not att.imported:
-                self._retry(att, f"{w.name} stopped receiving KV: {reason}")
+        for att in self.journeys.stranded_by(w):
+            self._retry(att, f"{w.name} stopped receiving KV: {reason}")
+
+    def _on_transport_error(self, w: WorkerHandle, ev: TransportError, now: float) -> None:
+        self.transport_errors.append(f"{w.name}: {ev.message}")
+        log.warning("%s: %s", w.name, ev.message)
+
+    def _on_fatal(self, w: WorkerHandle, ev: Fatal, now: float) -> None:
+        self._on_dead(w, f"worker {w.name} failed: {ev.message.strip().splitlines()[-1]}")
+
+    def _on_receiver_stopped(self, w: WorkerHandle, ev: OutOfService, now: float) -> None:
+        self._on_out_of_service(w, ev.reason)
+
+    _ON_WORKER_EVENT = {Step: _on_step, TransportError: _on_transport_error, Fatal: _on_fatal,
+                        OutOfService: _on_receiver_stopped}

@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 
 def test_transfer_bench_reports_both_backends_and_their_ceilings():
-    proc = subprocess.run([sys.executable, "-m", "cluster.transfer_bench", "--sizes-mib", "1", "--repeats", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.transfer", "--sizes-mib", "1", "--repeats", "2",
                            "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -25,7 +25,7 @@ def test_transfer_bench_reports_both_backends_and_their_ceilings():
 
 
 def test_overlap_bench_hides_the_transfer_and_keeps_the_tokens(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cluster.overlap_bench", "--shapes", "tiny", "--prompts", "512",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--shapes", "tiny", "--prompts", "512",
                            "--backends", "zmq", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -40,7 +40,7 @@ def test_overlap_bench_hides_the_transfer_and_keeps_the_tokens(tmp_path):
 
 
 def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "workers.bench", "--case", "mixed", "--shape", "64,2,4,2,128,256",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.engine", "--case", "mixed", "--shape", "64,2,4,2,128,256",
                            "--repeats", "1", "--threads", "1", "--against-gemm-rows", "256"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PDLAB_CACHE": str(tmp_path)})
@@ -59,7 +59,7 @@ def test_engine_bench_matches_hf_token_for_token_and_reports_its_floor(tmp_path)
 
 
 def test_attention_flops_count_every_causal_pair():
-    from workers.bench import Case, attention_flops, parse_shape
+    from benchmarks.engine import Case, attention_flops, parse_shape
     cfg = parse_shape("64,2,4,2,128,256")                       # head_dim 16, 4 heads, 2 layers
     # each of 2 prompts: 3 prompt tokens see 1 + 2 + 3 keys; decode steps 1 and 2 see 4 and 5
     assert attention_flops(cfg, Case("x", "-", 2, 3, 3)) == 4 * 16 * 4 * 2 * 2 * (6 + 9)

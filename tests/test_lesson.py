@@ -69,7 +69,7 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py"])
+@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py", "lesson/words.py"])
 def test_no_figure_in_the_lesson_text_is_a_literal(module):
     tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]

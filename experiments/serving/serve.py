@@ -24,6 +24,7 @@ from experiments.serving import aggregate
 from experiments.serving.capacity import check_memory
 from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.config import ConfigError, RunSpec, points
+from experiments.progress import Progress, echo
 from experiments.serving.machine import shared_cores, snapshot, usage
 from experiments.serving.metrics import request_fields, summarize
 from experiments.serving.steps import step_ratio
@@ -116,19 +117,15 @@ def ensure_ray(spec: RunSpec) -> None:
 
 def drive(router, requests: list[WorkloadRequest], desc: str) -> float:
     """Submit each request at its arrival time (open loop); wait for all. Returns the start time."""
-    from tqdm import tqdm
     from workers.request import SamplingParams
 
-    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=None, mininterval=0.5, leave=False)
+    bar = Progress(desc, total=len(requests), unit="requests")
     start = time.time()
 
     def tick():
         p = router.progress()
         elapsed = max(time.time() - start, 1e-9)
-        bar.n = p["ok"] + p["failed"]
-        bar.set_postfix(ok=p["ok"], failed=p["failed"], req_s=f"{bar.n / elapsed:.1f}",
-                        tok_s=f"{p['tokens'] / elapsed:.0f}", refresh=False)
-        bar.refresh()
+        bar.update(p["ok"] + p["failed"] - bar.done, failed=p["failed"], tok_s=f"{p['tokens'] / elapsed:.0f}")
 
     for req in requests:
         while (delay := start + req.arrival_s - time.time()) > 0:
@@ -243,8 +240,9 @@ def serve_all(prepared: list[Prepared], repeats: int, serve=None) -> list[dict]:
     for p in prepared:
         if p.shared:
             print(f"warning: {p.ident['label']}: {p.shared}")
+    bar = Progress("served", total=repeats * len(prepared), unit="repeats")
     for r in range(repeats):
-        for p in prepared:
+        for p in bar.each(prepared):
             out = p.out / f"rep{r}"
             name = f"{p.ident['label']} rep {r + 1}/{repeats}"
             if p.failed:
@@ -253,7 +251,7 @@ def serve_all(prepared: list[Prepared], repeats: int, serve=None) -> list[dict]:
             text = p.repeat_config
             if (out / "metrics.json").exists() and (out / "config.yaml").exists() \
                     and (out / "config.yaml").read_text() == text:
-                print(f"{name}: results already in {out}, skipped")
+                echo(f"{name}: results already in {out}, skipped")
                 continue
             (out / "config.yaml").write_text(text)
             (out / "metrics.json").unlink(missing_ok=True)
@@ -267,10 +265,11 @@ def serve_all(prepared: list[Prepared], repeats: int, serve=None) -> list[dict]:
                                                             "point": p.ident}, indent=2))
                 p.failed = True
                 continue
-            print(f"{name}: {_one_line(metrics)}")
+            echo(f"{name}: {_one_line(metrics)}")
             if warning := failure_warning(metrics):
-                print(warning)
+                echo(warning)
                 p.warnings.append(f"rep {r + 1}: {warning}")
+    bar.close()
     results = []
     for p in prepared:
         (p.out / "config.yaml").write_text(OmegaConf.to_yaml(p.cfg, resolve=True))

@@ -1,10 +1,10 @@
 """The simulated router's records, and the files a run writes from them (docs/run-directory.md).
 
-`Record` mirrors router/records.py's RequestRecord (the fields requests.jsonl shows), with the token
+`Record` is router/journey.py's JourneyRecord (the fields requests.jsonl shows, as the router's), with the token
 times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
 times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it reached the router
 (`client_*`); the simulated router's clock is the workers' clock;
-`Attempt` mirrors router/router.py's Attempt. `request_row` writes a row exactly as
+`Attempt` is router/journey.py's Journey with the simulator's own fields. `request_row` writes a row exactly as
 experiments/serving/serve.py's request_row does; `step_rows` expands every worker's steps, decode runs
 included, into steps.jsonl rows.
 """
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from experiments.serving.metrics import request_fields
+from router.journey import Journey, JourneyRecord
 
 
 @dataclass(eq=False)
-class Record:
+class Record(JourneyRecord):
     id: str
     prompt_len: int
     max_tokens: int
@@ -28,29 +29,6 @@ class Record:
     num_out: int = 0
     first_time: float | None = None
     last_time: float | None = None
-    status: str = "pending"
-    end_time: float | None = None
-    reason: str | None = None
-    finish_reason: str | None = None
-    attempts: int = 0
-    retried_for: list = field(default_factory=list)   # why each earlier attempt was given up
-    crashes: int = 0
-    injected_fault: bool = False
-    note: str | None = None
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    transfer_s: float | None = None
-    transfer_bytes: int = 0
-    handoff_s: float | None = None
-    decode_s: float | None = None
-    prefill_end: float | None = None               # the step that made the first token ended
-    kv_arrived: float | None = None                # the last KV byte reached the decode worker
-
-    @property
-    def done(self) -> bool:
-        return self.status != "pending"
 
     def add_times(self, t, at, n: int) -> None:
         """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""
@@ -80,32 +58,25 @@ def _joined(times: list) -> np.ndarray:
 
 
 @dataclass(eq=False)
-class Attempt:
-    rec: Record
-    kind: str                      # colocated | local | handoff | whole
-    prefill: object                # SimWorker computing the prompt
-    decode: object                 # SimWorker making the rest
-    prompt_len: int                # prompt + tokens streamed before this attempt
-    left: int                      # tokens this attempt is asked for
-    submitted_at: float
-    preq: object = None            # SimRequest on the prefill worker
-    dreq: object = None            # SimRequest on the decode worker (handoff)
-    handoff_at: float | None = None
-    first_token_worker_time: float | None = None
-    decode_start: float | None = None
-    kv_due: float | None = None    # when its KV is due in (its transfer in flight may be moved later)
-    sent: bool = False
-    imported: bool = False
-    num_tokens: int = 0
-    nbytes: int = 0
-    live: bool = True
-    drop_transfer: bool = False
+class Attempt(Journey):
+    """router/journey.py's Journey (phases, loads, failure rules: the router's own), with what the
+    simulator adds: the requests on its workers and its KV transfer in flight. Its workers are SimWorkers."""
+
+    left: int = field(default=0, kw_only=True)                 # tokens this attempt is asked for
+    preq: object = field(default=None, kw_only=True)           # SimRequest on the prefill worker
+    dreq: object = field(default=None, kw_only=True)           # SimRequest on the decode worker (handoff)
+    kv_due: float | None = field(default=None, kw_only=True)   # when its KV is due in (may move while in flight)
+    nbytes: int = field(default=0, kw_only=True)
+    live: bool = field(default=True, kw_only=True)
+    drop_transfer: bool = field(default=False, kw_only=True)
 
     @property
-    def phase(self) -> str:
-        if self.handoff_at is None:
-            return "prefill"
-        return "transfer" if self.kind == "handoff" and not self.imported else "decode"
+    def rec(self) -> Record:
+        return self.record
+
+    @property
+    def first_token_worker_time(self) -> float | None:
+        return self.first_token_time                # the simulated workers share the router's clock
 
 
 def request_row(rec: Record, t0: float = 0.0) -> dict:

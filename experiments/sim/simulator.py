@@ -37,10 +37,10 @@ from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
 from router.config import FaultConfig, RouterConfig
+from router.journey import Journeys, why_not_retry
 from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
-from router.records import why_not_retry
 from workers.config import EngineConfig
 
 
@@ -119,7 +119,7 @@ class Simulator(KVTransfers, WorkerSteps):
         self.links = Links()
         self.in_run: set[SimWorker] = set()       # workers with a decode run in flight
         self.records: dict[str, Record] = {}
-        self.attempts: dict[int, Attempt] = {}
+        self.journeys = Journeys(self.loads)        # the attempts in flight, by id()
         self._num_attempts = self._num_handoffs = 0
         self.notes: list[str] = []
         self.num_events = 0
@@ -201,12 +201,9 @@ class Simulator(KVTransfers, WorkerSteps):
         p, d = self.workers[chosen.prefill.rank], self.workers[chosen.decode.rank]
         rec.attempts += 1
         self._num_attempts += 1
-        att = Attempt(rec, chosen.kind, p, d, n, left, self.now)
-        self.attempts[id(att)] = att
+        att = Attempt(rec, chosen.kind, p, d, n, self.now, left=left)
+        self.journeys.open(id(att), att)
         rec.prefill_worker, rec.decode_worker = p.name, d.name
-        self.loads[p.rank].prompt_tokens += n
-        self.loads[d.rank].running += 1
-        self.loads[d.rank].kv_tokens += n
         if att.kind == "handoff":
             self._num_handoffs += 1
             att.drop_transfer = rec.attempts == 1 and self._num_handoffs == self.cfg.fault.timeout_transfer_of
@@ -230,12 +227,7 @@ class Simulator(KVTransfers, WorkerSteps):
         if not att.live:
             return
         att.live = False
-        self.attempts.pop(id(att), None)
-        if att.phase == "prefill":
-            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-        load = self.loads[att.decode.rank]
-        load.running -= 1
-        load.kv_tokens -= att.prompt_len + att.num_tokens
+        self.journeys.close(id(att))
         if abort:
             for w, req in ((att.prefill, att.preq), (att.decode, att.dreq)):
                 if req is not None and w.alive:
@@ -244,12 +236,12 @@ class Simulator(KVTransfers, WorkerSteps):
     def _finish(self, att: Attempt, reason: str) -> None:
         self._drop(att, abort=False)
         rec = att.rec
-        rec.status, rec.finish_reason, rec.end_time = "ok", reason, rec.last_time
+        rec.finish(reason, rec.last_time)
 
     def _fail(self, rec: Record, reason: str) -> None:
         if rec.done:
             return
-        rec.status, rec.reason, rec.end_time = "failed", reason, self.now
+        rec.fail(reason, self.now)
 
     def _retry(self, att: Attempt, reason: str, crashed: bool = False) -> None:
         if not att.live:
@@ -264,7 +256,7 @@ class Simulator(KVTransfers, WorkerSteps):
     def _timeout(self, rec: Record) -> None:
         if rec.done:
             return
-        for att in [a for a in self.attempts.values() if a.rec is rec]:
+        for att in self.journeys.of(rec):
             self._drop(att)
         self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.router.request_timeout_s:g}")
 
@@ -273,24 +265,10 @@ class Simulator(KVTransfers, WorkerSteps):
         att = req.attempt
         if att is None or not att.live:
             return
-        rec = att.rec
-        rec.add_times(end, at, 1)
-        att.num_tokens += 1
-        self.loads[att.decode.rank].kv_tokens += 1
-        if att.handoff_at is None:
-            started = req.first_scheduled_time
-            rec.queue_s, rec.prefill_s = max(0.0, started - att.submitted_at), end - started
-            self.loads[att.prefill.rank].prompt_tokens -= att.prompt_len
-            att.handoff_at, att.first_token_worker_time = at, end
-            if reason == "handoff":
-                rec.prefill_end = end
-            else:
-                att.decode_start = end
-        elif att.kind == "handoff" and att.decode_start is None:
-            att.decode_start = req.first_scheduled_time
-            rec.handoff_s = att.decode_start - att.first_token_worker_time
-        if reason == "length":
-            rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+        att.rec.add_times(end, at, 1)
+        if reason == "handoff":
+            att.rec.prefill_end = end                   # what the real router reads off the KV's import
+        if self.journeys.token(att, end, at, req.first_scheduled_time, reason):
             self._finish(att, reason)
 
     # -- faults -------------------------------------------------------------------------------------
@@ -305,8 +283,6 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def _on_dead(self, w: SimWorker) -> None:
         reason = f"worker {w.name} died (ActorDiedError)"
-        for att in list(self.attempts.values()):
-            lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
-            if att.decode is w or lost_prompt:
-                att.rec.injected_fault = True
-                self._retry(att, reason, crashed=False)
+        for att in self.journeys.lost_with(w):
+            att.rec.injected_fault = True
+            self._retry(att, reason, crashed=False)

@@ -1,7 +1,7 @@
 """KV transfer in the simulator: a transport's time for b bytes, and links that carry one transfer at a time.
 
 `TransferModel`: seconds = latency + bytes / bandwidth, one per transport. Fitted by
-experiments/analysis/profile.py from `cluster.transfer_bench`'s measurements (several payload sizes,
+experiments/analysis/profile.py from `benchmarks.transfer`'s measurements (several payload sizes,
 least squares on time against bytes), or from datasheet link bandwidths for a GPU cluster (NVLink
 within a node, the NIC between nodes; the latency is an assumption, stated where it is set).
 

@@ -1,14 +1,14 @@
-"""A real load generator against router.serve, beside experiments.run serving the same workload.
+"""A real load generator against `pdlab serve` (experiments.server), beside experiments.run serving the same workload.
 
-    python -m router.serve_bench [--guidellm PATH] [--layouts 1p1d,colocated-chunked] [--rate 4]
-                                 [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32] [--repeats 2]
+    pdlab bench serve [--guidellm PATH] [--layouts 1p1d,colocated-chunked] [--rate 4]
+                      [--num-requests 64] [--prompt-tokens 128] [--output-tokens 32] [--repeats 2]
 
-For each layout, `--repeats` times interleaved: `python -m router.serve` (tiny preset, a generated tokenizer as serve.tokenizer) is
+For each layout, `--repeats` times interleaved: `python -m experiments.server` (tiny preset, a generated tokenizer as serve.tokenizer) is
 driven by GuideLLM (Poisson arrivals, synthetic prompts, streaming /v1/completions, greedy); then the
 requests it served (their token ids and arrival times, from the server's requests.jsonl) are replayed
 by `python -m experiments.run workload=trace` on the same layout. Per request, the client's timings
 (GuideLLM's JSON) are matched to the server's record by id. Printed: TTFT, TPOT and E2EL percentiles
-from the client, from router.serve's records and from experiments.run's, the client/server ratios,
+from the client, from the server's records and from experiments.run's, the client/server ratios,
 and where the client's extra time goes; then one JSON line.
 
 GuideLLM's ITL is (last token - first token) / (tokens - 1) per request, which is what pdlab (and
@@ -48,7 +48,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 300) -> N
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"router.serve exited with {proc.returncode}")
+            raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
                 if r.status == 200:
@@ -56,7 +56,7 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 300) -> N
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"router.serve did not answer /health within {timeout_s} s")
+    raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
 def scenario(base: str, tokenizer: Path, out: Path, args) -> dict:
@@ -110,7 +110,7 @@ def bench_layout(layout: str, tokenizer: Path, out: Path, args) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     serve_dir, run_dir, gl_json = out / "serve", out / "run", out / "guidellm.json"
-    server = subprocess.Popen([sys.executable, "-m", "router.serve", f"serve.tokenizer={tokenizer}", f"layout={layout}",
+    server = subprocess.Popen([sys.executable, "-m", "experiments.server", f"serve.tokenizer={tokenizer}", f"layout={layout}",
                                f"serve.port={port}", f"hydra.run.dir={serve_dir}"], cwd=ROOT,
                               stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT)
     try:
@@ -156,7 +156,7 @@ def bench_layout(layout: str, tokenizer: Path, out: Path, args) -> dict:
 def table(res: dict) -> str:
     rows = [f"### {res['layout']} ({res['num_matched']} requests matched client to server, "
             f"{res['num_replayed']} replayed by experiments.run)", "",
-            "| metric | GuideLLM (client) | router.serve records | client / records | experiments.run records "
+            "| metric | GuideLLM (client) | server records | client / records | experiments.run records "
             "| run / serve |", "|---|---|---|---|---|---|"]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2EL"), ("itl_ms", "ITL")):
         for q in QUANTILES:
@@ -172,7 +172,7 @@ def table(res: dict) -> str:
              f"GuideLLM itself kept {res['client_cores']:.2f} of this machine's {os.cpu_count()} cores busy; "
              "load average {:.1f} before, {:.1f} after.".format(*res["load_avg_1m"])]
     st = res["steps"]
-    rows += ["", "The engines' own step times (p50 / p90), router.serve vs experiments.run: decode-only "
+    rows += ["", "The engines' own step times (p50 / p90), the server vs experiments.run: decode-only "
              f"{st['serve']['decode_ms']['p50']:.2f} / {st['serve']['decode_ms']['p90']:.2f} ms vs "
              f"{st['run']['decode_ms']['p50']:.2f} / {st['run']['decode_ms']['p90']:.2f} ms; with prompt tokens "
              f"{st['serve']['prefill_ms']['p50']:.2f} / {st['serve']['prefill_ms']['p90']:.2f} ms vs "
@@ -182,7 +182,7 @@ def table(res: dict) -> str:
 
 def spread(results: list[dict]) -> str:
     """Client / records ratios over every layout and repeat: the range of each percentile."""
-    lines = [f"Client / router.serve records over {len(results)} runs (min - max):"]
+    lines = [f"Client / server records over {len(results)} runs (min - max):"]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2el_ms", "E2EL")):
         parts = []
         for q in QUANTILES:
@@ -193,7 +193,7 @@ def spread(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdlab bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm", help="the guidellm executable")
     p.add_argument("--layouts", default="1p1d,colocated-chunked")
     p.add_argument("--rate", type=float, default=4.0)

@@ -1,7 +1,7 @@
 """What layer-wise KV streaming buys: exposed transfer with transfer.stream=off against layer, 1P+1D.
 
-    python -m cluster.overlap_bench [--shapes tiny,deep16] [--prompts 256,1024,4096] [--backends zmq,nccl]
-                                    [--repeats 3]
+    pdlab bench overlap [--shapes tiny,deep16] [--prompts 256,1024,4096] [--backends zmq,nccl]
+                        [--repeats 3]
 
 For each shape and transport one 1P+1D pool serves the same prompts, one request at a time, with the
 prefill worker switched between `off` (the KV follows the prefill) and `layer` (each layer's KV goes
@@ -14,7 +14,7 @@ the last layer's share cannot hide: the floor is about 1/L of the bulk time. Als
 modes produce the same tokens. Ends with one JSON line whose lists are aligned row by row.
 
 Shapes: `tiny` (the preset's shape, 4 layers) and `deep16` (16 layers of the tiny width), written as
-seeded checkpoints with room for 8,192 positions (workers/bench.py).
+seeded checkpoints with room for 8,192 positions (benchmarks/engine.py).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from cluster.pool import WorkerPool
 from cluster.ray_cluster import start_ray, stop_ray
 from cluster.transfer.base import TransferConfig
 from router.router import Router
-from workers.bench import checkpoint
+from benchmarks.engine import checkpoint
 from workers.config import PRESETS, EngineConfig
 from workers.request import SamplingParams
 from workers.weights import ModelSpec
@@ -94,7 +94,7 @@ def row_text(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.overlap_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdlab bench overlap", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="tiny,deep16")
     ap.add_argument("--prompts", default="256,1024,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--backends", default="zmq,nccl")

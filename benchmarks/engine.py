@@ -1,6 +1,6 @@
 """Offline engine benchmark: pdlab's engine against Hugging Face `generate` on the same checkpoint.
 
-    python -m workers.bench [--case NAME ...] [--shape SHAPE] [--repeats N] [--compile] [--device D]
+    pdlab bench engine [--case NAME ...] [--shape SHAPE] [--repeats N] [--compile] [--device D]
 
 Each case writes (once, cached) a Llama checkpoint of its shape with seeded random weights through
 `transformers`' `save_pretrained`; both engines load that same safetensors file and get the same
@@ -319,7 +319,7 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workers.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdlab bench engine", description=__doc__.splitlines()[0])
     ap.add_argument("--case", nargs="+", choices=sorted(CASES), default=list(CASES))
     ap.add_argument("--shape", help="model of every case: a preset or hidden,layers,heads,kv_heads,ff,vocab")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each engine, alternating")

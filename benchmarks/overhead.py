@@ -1,6 +1,6 @@
 """Does the router distort what it measures? A benchmark (not a test) on the tiny model.
 
-    python -m router.overhead_bench [--backend zmq|nccl] [--requests 16] [--max-tokens 64]
+    pdlab bench overhead [--backend zmq|nccl] [--requests 16] [--max-tokens 64]
 
 Prints, from one run: the decode worker's own step time and inter-token latency next to the
 inter-token latency the router observes, and the handoff (first token on the prefill worker to
@@ -32,7 +32,7 @@ def median_ms(values) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m router.overhead_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdlab bench overhead", description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="zmq", choices=["zmq", "nccl"])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)

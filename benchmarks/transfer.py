@@ -1,7 +1,7 @@
 """Transfer benchmark: each KV transport end to end, next to the raw ceiling of its wire, per size.
 
-    python -m cluster.transfer_bench [--sizes-mib 1,16,64,256] [--repeats N] [--backends nccl,zmq]
-                                     [--device auto|cpu|cuda] [--chunk-mib 8]
+    pdlab bench transfer [--sizes-mib 1,16,64,256] [--repeats N] [--backends nccl,zmq]
+                         [--device auto|cpu|cuda] [--chunk-mib 8]
 
 Two spawned processes on this machine: rank 0 sends, rank 1 receives. For each size and
 measurement there is one untimed warm-up transfer, then `repeats` back-to-back transfers, timed on
@@ -255,7 +255,7 @@ def print_table(rows: list[dict], dist_backend: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pdlab bench transfer", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated payload sizes, MiB (1..256)")
     ap.add_argument("--repeats", type=int, default=None, help="timed transfers per size (default: by size)")
     ap.add_argument("--backends", default="nccl,zmq", help="comma-separated subset of nccl,zmq")
