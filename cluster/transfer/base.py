@@ -218,7 +218,6 @@ class Inbound:
                 self.open.pop(rid)
                 self._forget(rid)
                 raise WireError("a second begin for a transfer already under way; both dropped", rid)
-            layer_bytes = handoff.nbytes // handoff.shape[0]
             if len(self.open) >= self.cfg.max_pending:
                 raise WireError(f"refused, {len(self.open)} transfers already incomplete "
                                 f"(transfer.max_pending={self.cfg.max_pending})", rid)
