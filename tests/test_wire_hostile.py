@@ -260,3 +260,27 @@ def test_a_sender_thread_survives_its_callbacks_and_its_own_bugs():
     assert "sender thread" in failed[None] and "done failed" in failed["done#1"]
     assert "ConnectionError: peer gone" in failed["wire#1"]
     assert ("end", "ok#1") in sent and [e["rid"] for e in events if e["kind"] == "sent"] == ["ok#1"]
+
+
+def test_the_import_path_holds_any_delivery_to_the_decoders_rules():
+    """A delivery made other than by a wire's decoder (a transport of someone else's, a test) with a
+    loose number: refused at the import with import_failed, its part released, the engine untouched."""
+    import torch
+
+    from cluster.kv_in import KVIn
+    from cluster.transfer.base import Begin, End, Part
+    from cluster.transfer.wire import KVHandoff
+
+    class Engine:
+        def validate(self, *a):
+            calls.append("validate")
+
+        def __getattr__(self, name):
+            raise AssertionError(f"engine.{name} called")
+    calls, events, released = [], [], []
+    k = KVIn(Engine(), events.append)
+    k.receive(Begin(KVHandoff("b#1", [0, 1], PARAMS, "float32", (4.0, 2, 2, 4, 32))), aborted=set())
+    k.receive(Part("p#1", 0.0, 0, torch.zeros(1, 2, 2, 4, 32), lambda: released.append(1)), aborted=set())
+    k.receive(End("e#1", True, 1.0, 0, 0.0, 0.0), aborted=set())
+    assert [(e["rid"], e["reason"]) for e in events] == [("b#1", "shape[0]=4.0 is not an integer")]
+    assert released == [1] and not calls and not k.incoming
