@@ -27,7 +27,7 @@ Events (plain dicts, one per kind):
                                                   (arrived: last byte in; prefill_end: the prefill
                                                   worker's clock when its step made the first token)
     import_failed rid, reason                     (a transfer the receiver dropped included)
-    transport_error message                       a wire problem tied to no request
+    transport_error message                       a wire problem tied to no request (of this worker)
     out_of_service reason                         this worker can receive no more KV
     fatal     message                             the loop died; the worker is out of service
 """
@@ -315,6 +315,8 @@ class Worker:
         elif isinstance(item, Dropped):
             if self.kv_in.end(item.rid):
                 self._emit({"kind": "import_failed", "rid": item.rid, "reason": item.reason})
+            else:   # a message naming a request with no import here (hostile, or late): still said
+                self._emit({"kind": "transport_error", "message": f"request {str(item.rid)[:80]!r}: {item.reason}"})
         elif isinstance(item, Exported):
             req = self.engine.requests.get(item.rid)
             if item.failure is not None:
