@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.events import Imported, ImportFailed, WorkerEvent
-from cluster.transfer.base import Begin, Cancel, Delivery, End, Part
+from cluster.transfer.base import Begin, Cancel, Delivery, End, Part, checked
 from cluster.transfer.staging import fence_import
-from cluster.transfer.wire import KVHandoff
+from cluster.transfer.wire import KVHandoff, WireError
 from workers.engine import Engine
 from workers.request import InvalidRequest
 
@@ -71,6 +71,14 @@ class KVIn:
     def receive(self, d: Delivery, aborted) -> None:
         rid = d.handoff.request_id if isinstance(d, Begin) else d.request_id
         inc = self.incoming.get(rid)
+        try:   # what the wires deliver has passed their decoder; a delivery made any other way is held to it too
+            checked(d)
+        except WireError as e:
+            if isinstance(d, Part):
+                d.release()
+            if self.end(rid) or isinstance(d, Begin):
+                self.emit(ImportFailed(rid, str(e)))
+            return
         if isinstance(d, Begin):
             if rid in aborted:
                 return

@@ -305,6 +305,8 @@ class Worker:
         elif isinstance(item, Dropped):
             if self.kv_in.end(item.rid):
                 self._emit(ImportFailed(item.rid, item.reason))
+            else:   # a message naming a request with no import here (hostile, or late): still said
+                self._emit(TransportError(f"request {str(item.rid)[:80]!r}: {item.reason}"))
         elif isinstance(item, Exported):
             req = self.engine.requests.get(item.rid)
             if item.failure is not None:

@@ -199,3 +199,88 @@ def test_reasons_stay_short_whatever_the_input():
         decode_part(msgpack.packb(["x" * 300, 0, 1, 0, 1]))
     assert e.value.request_id is None and len(str(e.value)) < 200     # not a valid id: named by nothing
     assert not math.isnan(decode_end(msgpack.packb(["r#1", 1, 0.5]), EXPECT).first_token_time)
+
+
+def test_a_sender_thread_survives_its_callbacks_and_its_own_bugs():
+    """An item it does not know, a `done` callback that raises, a channel that fails: each ends in
+    a send_failed event naming the request where there is one, and the next transfer still goes."""
+    import threading
+
+    import torch
+
+    from cluster.kv_out import KVOut, SendBegin, SendEnd, SendPart
+    from tests.wire_harness import handoff
+
+    sent, events, finished = [], [], threading.Event()
+
+    class Channel:
+        def begin(self, h):
+            if h.request_id == "wire#1":
+                raise ConnectionError("peer gone")
+            sent.append(("begin", h.request_id))
+
+        def part(self, rid, layer, start, kv):
+            sent.append(("part", rid))
+
+        def end(self, rid, token, t):
+            sent.append(("end", rid))
+
+        def cancel(self, rid, reason):
+            sent.append(("cancel", rid))
+
+    class Transport:
+        name = "zmq"
+
+        def channel(self, dst):
+            return Channel()
+
+    class Engine:
+        device = torch.device("cpu")
+
+        class cache:
+            @staticmethod
+            def export(block_ids, n, layers, start):
+                return torch.zeros(layers[1] - layers[0], 2, n - start, 4, 32)
+
+    def done(exported):
+        if exported.rid == "done#1":
+            raise RuntimeError("done failed")
+        if exported.rid == "ok#1":
+            finished.set()
+
+    out = KVOut(Engine(), events.append, done, lambda: Transport())
+    q = out._sender(1)
+    q.put(object())                                    # a bug: an item of no known kind
+    for rid in ("done#1", "wire#1", "ok#1"):
+        q.put(SendBegin(handoff(rid)))
+        q.put(SendPart(rid, (0, 4), (0, 10), [0]))
+        q.put(SendEnd(rid, 7, 1.0))
+    assert finished.wait(10), events
+    failed = {e["rid"]: e["reason"] for e in events if e["kind"] == "send_failed"}
+    assert "sender thread" in failed[None] and "done failed" in failed["done#1"]
+    assert "ConnectionError: peer gone" in failed["wire#1"]
+    assert ("end", "ok#1") in sent and [e["rid"] for e in events if e["kind"] == "sent"] == ["ok#1"]
+
+
+def test_the_import_path_holds_any_delivery_to_the_decoders_rules():
+    """A delivery made other than by a wire's decoder (a transport of someone else's, a test) with a
+    loose number: refused at the import with import_failed, its part released, the engine untouched."""
+    import torch
+
+    from cluster.kv_in import KVIn
+    from cluster.transfer.base import Begin, End, Part
+    from cluster.transfer.wire import KVHandoff
+
+    class Engine:
+        def validate(self, *a):
+            calls.append("validate")
+
+        def __getattr__(self, name):
+            raise AssertionError(f"engine.{name} called")
+    calls, events, released = [], [], []
+    k = KVIn(Engine(), events.append)
+    k.receive(Begin(KVHandoff("b#1", [0, 1], PARAMS, "float32", (4.0, 2, 2, 4, 32))), aborted=set())
+    k.receive(Part("p#1", 0.0, 0, torch.zeros(1, 2, 2, 4, 32), lambda: released.append(1)), aborted=set())
+    k.receive(End("e#1", True, 1.0, 0, 0.0, 0.0), aborted=set())
+    assert [(e["rid"], e["reason"]) for e in events] == [("b#1", "shape[0]=4.0 is not an integer")]
+    assert released == [1] and not calls and not k.incoming

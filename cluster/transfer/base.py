@@ -26,7 +26,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from cluster.transfer.wire import CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError
+from cluster.transfer.fields import MAX_INDEX, exact_int, finite_time, int_list, shown, text
+from cluster.transfer.wire import WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError
+from workers.request import MAX_ID_CHARS
 
 BACKENDS = ("nccl", "zmq")
 STREAMS = ("off", "layer", "chunk")
@@ -118,6 +120,31 @@ ReportProblem = Callable[[TransferProblem], None]
 
 def request_of(d: Delivery) -> str:
     return d.handoff.request_id if isinstance(d, Begin) else d.request_id
+
+
+def checked(d: Delivery) -> None:
+    """A delivery's fields by the wire decoder's rules (exact ints, finite times, a 5-d tensor of a
+    wire dtype): the import path's guard against a delivery made other than by a wire's decoder."""
+    if isinstance(d, Begin):
+        h = d.handoff
+        rid = h.request_id if isinstance(h.request_id, str) else None
+        text(h.request_id, "request_id", rid, MAX_ID_CHARS, 1)
+        int_list(list(h.shape), "shape", rid, 5, 0, MAX_INDEX, 5)
+        int_list(list(h.prompt_ids), "prompt_ids", rid, MAX_INDEX, 0, MAX_INDEX, 1)
+        if h.dtype not in WIRE_DTYPES:
+            raise WireError(f"dtype {shown(h.dtype)} is not a wire dtype", rid)
+    elif isinstance(d, Part):
+        exact_int(d.first_layer, "first_layer", d.request_id)
+        exact_int(d.start, "start", d.request_id)
+        if not (isinstance(d.kv, torch.Tensor) and d.kv.dim() == 5 and d.kv.dtype in WIRE_DTYPES.values()):
+            raise WireError(f"part of {type(d.kv).__name__} is not a [layers, 2, tokens, heads, dim] tensor",
+                            d.request_id)
+    elif isinstance(d, End):
+        exact_int(d.first_token, "first_token", d.request_id)
+        finite_time(d.first_token_time, "first_token_time", d.request_id)
+        exact_int(d.nbytes, "nbytes", d.request_id, 0, 1 << 62)
+    elif not isinstance(d, Cancel):
+        raise WireError(f"delivery {type(d).__name__} is not a Begin, Part, End or Cancel")
 
 
 def safe_report(report: ReportProblem, problem: TransferProblem) -> None:
@@ -218,7 +245,6 @@ class Inbound:
                 self.open.pop(rid)
                 self._forget(rid)
                 raise WireError("a second begin for a transfer already under way; both dropped", rid)
-            layer_bytes = handoff.nbytes // handoff.shape[0]
             if len(self.open) >= self.cfg.max_pending:
                 raise WireError(f"refused, {len(self.open)} transfers already incomplete "
                                 f"(transfer.max_pending={self.cfg.max_pending})", rid)

@@ -307,7 +307,7 @@ class NcclTransport:
             raise
 
     def _begin(self, src: int, data: bytes, expect: Expect, deliver, report) -> bool:
-        group, dev = self.groups[(src, self.rank)], self.device
+        dev = self.device
         try:
             begin = self.inbound.begin(decode_header(data, expect), expect)
         except Exception as e:   # refused before any payload: the sender reports it against its request
