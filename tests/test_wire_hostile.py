@@ -256,10 +256,11 @@ def test_a_sender_thread_survives_its_callbacks_and_its_own_bugs():
         q.put(SendPart(rid, (0, 4), (0, 10), [0]))
         q.put(SendEnd(rid, 7, 1.0))
     assert finished.wait(10), events
-    failed = {e["rid"]: e["reason"] for e in events if e["kind"] == "send_failed"}
-    assert "sender thread" in failed[None] and "done failed" in failed["done#1"]
+    failed = {e.rid: e.reason for e in events if e.kind == "send_failed"}
+    worker = [e.message for e in events if e.kind == "transport_error"]   # the bug names no request
+    assert len(worker) == 1 and "sender thread" in worker[0] and "done failed" in failed["done#1"]
     assert "ConnectionError: peer gone" in failed["wire#1"]
-    assert ("end", "ok#1") in sent and [e["rid"] for e in events if e["kind"] == "sent"] == ["ok#1"]
+    assert ("end", "ok#1") in sent and [e.rid for e in events if e.kind == "sent"] == ["ok#1"]
 
 
 def test_the_import_path_holds_any_delivery_to_the_decoders_rules():
@@ -282,5 +283,5 @@ def test_the_import_path_holds_any_delivery_to_the_decoders_rules():
     k.receive(Begin(KVHandoff("b#1", [0, 1], PARAMS, "float32", (4.0, 2, 2, 4, 32))), aborted=set())
     k.receive(Part("p#1", 0.0, 0, torch.zeros(1, 2, 2, 4, 32), lambda: released.append(1)), aborted=set())
     k.receive(End("e#1", True, 1.0, 0, 0.0, 0.0), aborted=set())
-    assert [(e["rid"], e["reason"]) for e in events] == [("b#1", "shape[0]=4.0 is not an integer")]
+    assert [(e.rid, e.reason) for e in events] == [("b#1", "shape[0]=4.0 is not an integer")]
     assert released == [1] and not calls and not k.incoming
