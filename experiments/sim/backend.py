@@ -82,8 +82,7 @@ def sim_config(spec: RunSpec, nbytes: int, record_steps: bool = True, keep_token
     return SimConfig(roles, {r: engines[r] for r in set(roles)}, blocks, mcfg.kv_bytes_per_token(nbytes),
                      mcfg.num_layers, spec.max_model_len, spec.router, spec.transfer, spec.fault,
                      spec.cluster.placement, spec.hardware.gpus_per_node if on_gpu(spec) else 0,
-                     getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens,
-                     seed=spec.seed)
+                     getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens)
 
 
 def worker_threads(spec: RunSpec) -> int:
@@ -122,14 +121,11 @@ def costs_for(spec: RunSpec, serving: dict | None = None) -> Costs:
 
 
 def simulate(spec: RunSpec, arrivals, costs: Costs | None = None, record_steps: bool = True,
-             keep_tokens: bool = True, fast_forward: bool = True, noise_seed: int | None = None) -> Simulator:
+             keep_tokens: bool = True, fast_forward: bool = True) -> Simulator:
     """Run the simulator over `arrivals` (WorkloadRequests, or objects with id, arrival_s, prompt_len,
-    max_tokens); returns it, its records and workers' step logs filled. Noise draws are seeded by
-    `noise_seed` (default: the run's seed)."""
+    max_tokens); returns it, its records and workers' step logs filled (deterministic: no draws)."""
     costs = costs or costs_for(spec)
     cfg = sim_config(spec, dtype_bytes(spec, costs), record_steps, keep_tokens, fast_forward)
-    if noise_seed is not None:
-        cfg.seed = noise_seed
     sim = Simulator(cfg, costs)
     sim.run(arrivals)
     return sim
