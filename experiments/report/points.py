@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from experiments.serving.aggregate import aggregate, read_jsonl, repeat_dirs
+from experiments.serving.aggregate import aggregate, read_requests, read_steps, repeat_dirs
 from experiments.serving.steps import num
 
 
@@ -45,19 +45,19 @@ class Point:
     @cached_property
     def requests(self) -> list[dict]:
         """Every repeat's requests, pooled (each row with `repeat`, its directory's name)."""
-        return [row | {"repeat": d.name} for d in self.repeats for row in read_jsonl(d / "requests.jsonl")]
+        return [row | {"repeat": d.name} for d in self.repeats for row in read_requests(d)]
 
     @cached_property
     def steps(self) -> list[dict]:
         """The first repeat's steps (a timeline is one run)."""
-        return read_jsonl(self.repeats[0] / "steps.jsonl")
+        return read_steps(self.repeats[0])
 
     @cached_property
     def all_steps(self) -> list[dict]:
         """Every repeat's steps, pooled; workers named per repeat ("rep1/colocated:0") so runs stay apart."""
         many = len(self.repeats) > 1
         return [s | {"worker": f"{d.name}/{s.get('worker')}" if many else s.get("worker")}
-                for d in self.repeats for s in read_jsonl(d / "steps.jsonl")]
+                for d in self.repeats for s in read_steps(d)]
 
     def m(self, key: str) -> float | None:
         """A number from metrics.json by dotted key ("ttft_ms.p50"); None when absent, null or NaN."""

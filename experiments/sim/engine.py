@@ -64,6 +64,11 @@ def sim_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, hand
                       max_tokens=max_tokens, hand_off=hand_off)
 
 
+def _blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_size: int) -> int:
+    """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
+    return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
+
+
 @dataclass
 class StepDone:
     """What one step did: tokens made (request, finish reason or None), requests preempted."""
@@ -97,6 +102,7 @@ class SimEngine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
+        self._ahead = None                    # (requests, computed, blocks) of the run run_length found
         self._shared = getattr(model, "shared_host", None) or 1.0
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
@@ -178,6 +184,7 @@ class SimEngine:
     # -- runs of decode-only steps ---------------------------------------------------------------
     def run_length(self) -> int:
         """How many decode-only steps are certain from here (0: schedule the next step for real)."""
+        self._ahead = None
         if not self.fast_forward:
             return 0
         s, cfg = self.scheduler, self.cfg
@@ -186,21 +193,27 @@ class SimEngine:
         if b == 0 or b > cfg.token_budget:
             return 0
         k = 1 << 62
+        computed, held = [], []
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.prompt_len:
+            c, n = r.num_computed_tokens, r.prompt_len
+            if n + r.num_out - c != 1 or c < n:
                 return 0       # (a lone last prompt token makes the first token: a step of its own)
             left = r.max_tokens - r.num_out
             if left < k:
                 k = left
+            computed.append(c)
+            held.append(len(r.block_ids))
         if s.waiting and not self._waiting_blocked(b):
             return 0
-        need = self._blocks_needed(k)
-        if need <= self.blocks.num_free:
+        computed, held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
+        self._ahead = (list(running), computed, held)       # what start_run reads, unchanged meanwhile
+        free, bs = self.blocks.num_free, self.blocks.block_size
+        if _blocks_needed(computed, held, k, bs) <= free:
             return k
         lo, hi = 0, k                          # the longest run whose new blocks are free
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._blocks_needed(mid) <= self.blocks.num_free:
+            if _blocks_needed(computed, held, mid, bs) <= free:
                 lo = mid
             else:
                 hi = mid - 1
@@ -219,19 +232,14 @@ class SimEngine:
             return False                     # it would run alone at the head of a step: not a run
         return not self.blocks.can_allocate(head.block_ids, head.num_computed_tokens + n)
 
-    def _blocks_needed(self, steps: int) -> int:
-        bs, need = self.blocks.block_size, 0
-        for r in self.scheduler.running:
-            need += max(0, blocks_for(r.num_computed_tokens + steps, bs) - len(r.block_ids))
-        return need
-
     def start_run(self, start: float, k: int, shared: bool = False) -> DecodeRun:
         """k decode-only steps from `start`, at schedule()'s contention (`shared` holds for the whole
         run: the simulator cuts it when that changes on the host)."""
-        reqs = list(self.scheduler.running)
+        if self._ahead is None:
+            raise RuntimeError("start_run follows a run_length that found a run")
+        reqs, computed, blocks0 = self._ahead
+        self._ahead = None
         b = len(reqs)
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b)
-        blocks0 = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=b)
         d = self.model.decode_run(b, int(computed.sum()), k) * self.contention(shared)
         gap = np.full(k, self.model.gap(b))
         gap[0] = 0.0                                       # the first step starts at `start`
@@ -251,15 +259,25 @@ class SimEngine:
             raise ValueError(f"a run of {run.finishing} steps cannot advance {m}")
         last = float(run.ends[m - 1])
         out = []
-        alloc = self.blocks.allocate
         first = float(run.starts[0])
-        for r, c in zip(run.reqs, run.computed.tolist()):
-            r.num_computed_tokens = c + m
+        bs = self.blocks.block_size
+        after = run.computed + m
+        grow = np.flatnonzero(-(-after // bs) > run.blocks0)       # requests that need a new block
+        alloc, reqs = self.blocks.allocate, run.reqs
+        for i, c in zip(grow.tolist(), after[grow].tolist()):
+            alloc(reqs[i].block_ids, c)
+        token = self._token
+        for r, c in zip(reqs, after.tolist()):
+            r.num_computed_tokens = c
             if r.first_scheduled_time is None:       # an imported request's first step here
                 r.first_scheduled_time = first
-            alloc(r.block_ids, c + m)
-            r.num_out += m - 1
-            out.append((r, self._token(r, last)))      # the last step's token, and the request's end
+            n = r.num_out + m
+            if n < r.max_tokens and not r.hand_off:
+                r.num_out = n                        # it goes on
+                out.append((r, None))
+            else:
+                r.num_out = n - 1
+                out.append((r, token(r, last)))      # the last step's token, and the request's end
         self.num_steps += m
         return out
 

@@ -31,7 +31,7 @@ from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.handoff import KVTransfers
-from experiments.sim.records import Attempt, Record
+from experiments.sim.records import Attempt, Gaps, Record
 from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
@@ -62,6 +62,7 @@ class SimConfig:
     fast_forward: bool = True             # advance runs of decode-only steps in one event
     record_steps: bool = True
     keep_tokens: bool = True              # every token's time (requests.jsonl); False: first, last, count
+    pool_gaps: bool = False               # without every token's time, pool the inter-token gaps (Gaps)
 
     def __post_init__(self):
         if self.stream not in STREAMS:
@@ -116,6 +117,8 @@ class Simulator(KVTransfers, WorkerSteps):
         self.notes: list[str] = []
         self.num_events = 0
         Record.keep = cfg.keep_tokens
+        self.gaps = Gaps() if cfg.pool_gaps and not cfg.keep_tokens else None
+        Record.sink = self.gaps
 
     # -- the loop ---------------------------------------------------------------------------------
     def push(self, t: float, fn, *args) -> None:
@@ -132,6 +135,8 @@ class Simulator(KVTransfers, WorkerSteps):
             self.records[rec.id] = rec
             recs.append(rec)
         recs.sort(key=lambda r: r.arrival_s)           # stable: equal times keep their order
+        for i, rec in enumerate(recs):
+            rec.index = i
         self._pending = iter(recs)                     # each arrival queues the next: the heap holds one
         self._next_arrival()
         f = self.cfg.fault

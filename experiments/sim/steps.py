@@ -156,24 +156,30 @@ class WorkerSteps:
         if entry is not None:
             entry["used"][-1] = w.engine.blocks.num_used
             entry["running_last"] = len(w.engine.scheduler.running)
-        at = self._deliveries(w, run.ends[:m])
+        ends = run.ends[:m]
+        at = self._deliveries(w, ends)
         end = w.last_end = float(run.ends[m - 1])
         b = len(run.reqs)
         self.loads[w.rank].kv_tokens += b * m - w.run_tokens
         w.run, w.run_tokens = None, 0
         self.in_run.discard(w)
+        owners = []
         for req, reason in out:
             att = req.attempt
             if att is None or not att.live:
                 continue
-            att.rec.add_times(run.ends[:m], at, m)
+            rec = att.rec
+            rec.add_times(ends, at, m)
+            owners.append(rec.index)
             att.num_tokens += m
             if att.kind == "handoff" and att.decode_start is None:
                 att.decode_start = req.first_scheduled_time
-                att.rec.handoff_s = att.decode_start - att.first_token_worker_time
+                rec.handoff_s = att.decode_start - att.first_token_worker_time
             if reason == "length":
-                att.rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+                rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
                 self._finish(att, reason)
+        if self.gaps is not None:
+            self.gaps.run(np.array(owners, dtype=np.int64), ends, at)
         self._next(w, end, b)
 
     def _delivery(self, w: SimWorker, t: float) -> float:
