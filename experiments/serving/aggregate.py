@@ -39,16 +39,17 @@ def read_requests(rep_dir: Path) -> list[dict]:
     return _rows(rep_dir, "requests")
 
 
-def read_steps(rep_dir: Path) -> list[dict]:
-    """A repeat's step rows: steps.jsonl, or a large simulation's steps.npz."""
-    return _rows(rep_dir, "steps")
+def read_steps(rep_dir: Path, max_rows: int | None = None) -> list[dict]:
+    """A repeat's step rows: steps.jsonl, or a large simulation's steps.npz (its first `max_rows`
+    steps in time when given: experiments/sim/tables.read_table)."""
+    return _rows(rep_dir, "steps", max_rows)
 
 
-def _rows(rep_dir: Path, name: str) -> list[dict]:
+def _rows(rep_dir: Path, name: str, max_rows: int | None = None) -> list[dict]:
     if (rep_dir / f"{name}.jsonl").is_file() or not (rep_dir / f"{name}.npz").is_file():
         return read_jsonl(rep_dir / f"{name}.jsonl")
     from experiments.sim.tables import read_table
-    return read_table(rep_dir / f"{name}.npz")
+    return read_table(rep_dir / f"{name}.npz", max_rows)
 
 
 def repeat_dirs(point_dir: Path, limit: int | None = None) -> list[tuple[int, Path]]:

@@ -57,3 +57,14 @@ class LazyBlockManager(BlockManager):
         assert len(set(free)) == len(free), "a block is on the free list twice"
         unreferenced = {b for b, n in enumerate(self.ref_counts) if n == 0} | set(range(self._free.fresh, self.num_blocks))
         assert set(free) == unreferenced, f"free list and ref counts disagree: {sorted(set(free) ^ unreferenced)[:8]}"
+
+    def grow(self, tables: list[list[int]], targets: list[int]) -> None:
+        """allocate(table, target) for each pair, in order, all at once: the simulator's decode runs grow
+        hundreds of thousands of tables by a block or two; the caller has checked the blocks are free."""
+        bs, free, refs = self.block_size, self._free, self.ref_counts
+        for ids, n in zip(tables, targets):
+            for _ in range(-(-n // bs) - len(ids)):
+                block = free.popleft()
+                assert refs[block] == 0, f"free block {block} has references"
+                refs[block] = 1
+                ids.append(block)

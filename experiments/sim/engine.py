@@ -263,9 +263,10 @@ class SimEngine:
         bs = self.blocks.block_size
         after = run.computed + m
         grow = np.flatnonzero(-(-after // bs) > run.blocks0)       # requests that need a new block
-        alloc, reqs = self.blocks.allocate, run.reqs
-        for i, c in zip(grow.tolist(), after[grow].tolist()):
-            alloc(reqs[i].block_ids, c)
+        reqs = run.reqs
+        if len(grow) > self.blocks.num_free:
+            raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
+        self.blocks.grow([reqs[i].block_ids for i in grow.tolist()], after[grow].tolist())
         token = self._token
         for r, c in zip(reqs, after.tolist()):
             r.num_computed_tokens = c

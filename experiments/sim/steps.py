@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.sim.records import Attempt
+from experiments.sim.records import Attempt, Record
 from experiments.sim.worker import SimWorker
 from workers.config import blocks_for
 
@@ -163,14 +163,26 @@ class WorkerSteps:
         self.loads[w.rank].kv_tokens += b * m - w.run_tokens
         w.run, w.run_tokens = None, 0
         self.in_run.discard(w)
-        owners = []
+        keep, gaps = Record.keep, self.gaps
+        f0, fl, c0, cl = float(ends[0]), end, float(at[0]), float(at[-1])
+        owners, into, into_at, advanced = [], [], [], []
         for req, reason in out:
             att = req.attempt
             if att is None or not att.live:
                 continue
             rec = att.rec
-            rec.add_times(ends, at, m)
-            owners.append(rec.index)
+            advanced.append(rec.index)
+            if keep:
+                rec.add_times(ends, at, m)
+            else:                                   # Record.add_times inlined: a million calls in a large run
+                if rec.first_time is None:
+                    rec.first_time, rec.client_first = f0, c0
+                elif gaps is not None:
+                    into.append(f0 - rec.last_time)
+                    into_at.append(c0 - rec.client_last)
+                    owners.append(rec.index)
+                rec.last_time, rec.client_last = fl, cl
+                rec.num_out += m
             att.num_tokens += m
             if att.kind == "handoff" and att.decode_start is None:
                 att.decode_start = req.first_scheduled_time
@@ -178,8 +190,11 @@ class WorkerSteps:
             if reason == "length":
                 rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
                 self._finish(att, reason)
-        if self.gaps is not None:
-            self.gaps.run(np.array(owners, dtype=np.int64), ends, at)
+        if gaps is not None:
+            gaps.owner += owners
+            gaps.made += into
+            gaps.got += into_at
+            gaps.run(np.array(advanced, dtype=np.int64), ends, at)
         self._next(w, end, b)
 
     def _delivery(self, w: SimWorker, t: float) -> float:

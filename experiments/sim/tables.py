@@ -110,11 +110,21 @@ def write_table(path: Path, cols: dict[str, np.ndarray]) -> None:
     np.savez(path, **cols)
 
 
-def read_table(path: Path) -> list[dict]:
-    """A table's rows as dicts, NaN and "" read back as None (and requests' per-token lists empty)."""
+def table_rows(path: Path) -> int:
+    with np.load(path) as z:
+        return len(z[z.files[0]]) if z.files else 0
+
+
+def read_table(path: Path, max_rows: int | None = None) -> list[dict]:
+    """A table's rows as dicts, NaN and "" read back as None (and requests' per-token lists empty);
+    with `max_rows`, a steps table longer than that gives only its first max_rows steps in time
+    (the run's first seconds, every worker's steps in them)."""
     with np.load(path) as z:
         cols = {k: z[k] for k in z.files}
     n = len(next(iter(cols.values()))) if cols else 0
+    if max_rows is not None and n > max_rows and "start_s" in cols:
+        keep = np.sort(np.argsort(cols["start_s"], kind="stable")[:max_rows])
+        cols, n = {k: v[keep] for k, v in cols.items()}, max_rows
     conv = {}
     for k, a in cols.items():
         if a.dtype.kind == "f":
@@ -123,7 +133,8 @@ def read_table(path: Path) -> list[dict]:
             conv[k] = [x or None for x in a.tolist()] if k not in ("worker",) else a.tolist()
         else:
             conv[k] = a.tolist()
-    rows = [{k: v[i] for k, v in conv.items()} for i in range(n)]
+    keys = list(conv)
+    rows = [dict(zip(keys, vals)) for vals in zip(*(conv[k] for k in keys))] if n else []
     if "ttft_s" in cols:
         for r in rows:
             r["itl_s"], r["client_itl_s"], r["output_ids"], r["retried_for"], r["itl_ms"] = [], [], [], [], None
