@@ -76,3 +76,17 @@ def test_weighted_percentiles_are_those_of_the_expanded_sample():
     weights = rng.integers(1, 6, 40).astype(float)
     _close(weighted_percentiles(values, weights), percentiles(np.repeat(values, weights.astype(int))))
     assert weighted_percentiles(values[:0], weights[:0])["p50"] is None
+
+
+def test_the_bench_simulates_and_writes_a_run_and_knows_its_targets(tmp_path, capsys):
+    import json
+
+    from experiments.sim.bench import TARGETS, main
+
+    assert main(["--requests", "300", "--gpus", "4", "--layouts", "colocated-chunked,2p2d", "--write", str(tmp_path)]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["completed"] for r in line["results"]] == [300, 300]
+    assert (tmp_path / "2p2d" / "rep0" / "requests.jsonl").is_file()
+    assert {t[0] for t in TARGETS} == {"run-100k-64", "bench-1m-1000", "plan-1000"}
+    with pytest.raises(SystemExit, match="choose from"):
+        main(["--targets", "nope"])
