@@ -145,7 +145,7 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
     assert line["met"] == line["total"] == 51 and line["judged"] == line["inside"] == 0   # one repeat: no range
     assert line["max_abs_error"] == pytest.approx(0.0, abs=1e-9)
-    assert f"simulated: 51 of 51 met" in proc.stdout
+    assert "simulated: 51 of 51 met" in proc.stdout
 
 
 def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):

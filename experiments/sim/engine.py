@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from experiments.sim.blocks import LazyBlockManager
-from workers.config import EngineConfig, blocks_for
+from workers.config import EngineConfig
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
