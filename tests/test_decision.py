@@ -165,3 +165,26 @@ def test_streaming_lowers_the_link_bandwidth_disaggregation_needs():
     assert best(estimate(CFG, H200, link_bw=layer * 0.9, stream="layer", **TIGHT)).mode != DISAGG
     streamed = by_mode(estimate(CFG, H200, link_bw=layer * 1.05, stream="layer", **TIGHT))[DISAGG]
     assert streamed.detail["t_exposed_s"] < streamed.detail["t_xfer_s"]
+
+
+def test_the_decision_map_and_the_planner_take_prompts_up_to_the_model_s_context():
+    """An 8,192-token prompt for Llama-3-8B (context 8,192) is a valid cell: the workload schema caps
+    nothing, each request is fitted to the context (the prompt gives way to the output), and the
+    simulator serves it on two datasheet H200s."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.analysis.decision_sim import cell_config
+    from experiments.config import apply_layout, parse
+    from experiments.run import CONF_DIR
+    from experiments.serving.workload import build_workload
+    from experiments.sim.backend import simulate
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        base = compose("config", overrides=["model=llama-3-8b", "hardware=h200", "cluster.gpus=2"])
+    cfg = cell_config(base, 8192, 256, {"ttft_ms": 2000.0, "tpot_ms": 50.0}, 50e9)
+    spec = parse(apply_layout(cfg, "1p1d"))
+    assert spec.max_model_len == 8192 and spec.workload.prompt_len.value == 8192
+    arrivals = build_workload(spec.workload, spec.vocab_size, spec.max_model_len, 0, token_ids=False)[:4]
+    assert {(a.num_prompt_tokens, a.max_tokens) for a in arrivals} == {(8192 - 256, 256)}
+    sim = simulate(spec, arrivals, record_steps=False, keep_tokens=False)
+    assert all(r.status == "ok" and r.num_out == 256 for r in sim.records.values())

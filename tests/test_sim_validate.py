@@ -117,7 +117,7 @@ def test_a_small_real_run_is_simulated_within_a_loose_tolerance(tiny):
 def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     """backend=sim through experiments.run writes the files of a real run; experiments.validate replays
     that directory (here against the simulator itself, with the profile in the repository) and ends
-    with exactly the JSON line the issue gives, every error small."""
+    with the JSON line the issue gives: the same simulator on the same requests, every error zero."""
     import json
     import subprocess
     import sys
@@ -139,12 +139,13 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(line) == {"errors", "max_abs_error", "real_spread"}
+    assert set(line) == {"met", "total", "inside", "judged", "errors", "max_abs_error", "real_spread"}
     assert set(line["real_spread"]) == set(line["errors"])     # per value; None for a point of one repeat
-    assert all(v is None or v >= 0 for v in line["real_spread"].values())
+    assert all(v is None for v in line["real_spread"].values())
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
-    means = [abs(e) for k, e in line["errors"].items() if k.endswith("_mean")]
-    assert len(means) == 12 and max(means) < 0.1      # the same simulator; only the noise seeds differ
+    assert line["met"] == line["total"] == 51 and line["judged"] == line["inside"] == 0   # one repeat: no range
+    assert line["max_abs_error"] == pytest.approx(0.0, abs=1e-9)
+    assert "simulated: 51 of 51 met" in proc.stdout
 
 
 def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):
@@ -176,37 +177,42 @@ def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs
         return subprocess.run([sys.executable, "-m", "experiments.validate", *map(str, args)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
 
-    proc = validate(a, "--against", b)
+    proc = validate(a, "--against", b, "--profile", profile)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "51 of 51 met" in proc.stdout and "not simulated" in proc.stdout
-    assert set(json.loads(proc.stdout.strip().splitlines()[-1])["errors"].values()) == {0.0}
-    proc = validate(a, "--against", other)
+    assert "other run: 51 of 51 met" in proc.stdout
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(line["against"]["errors"].values()) == {0.0}
+    assert (line["against"]["met"], line["against"]["total"]) == (51, 51) and line["met"] == 51
+    proc = validate(a, "--against", other, "--profile", profile)
     assert proc.returncode == 2 and "point '1p1d'" in proc.stderr and "same requests" in proc.stderr
 
 
-def test_validate_tells_a_simulated_value_inside_the_real_repeats_spread_from_one_outside():
-    """Beside each error goes the real run's own spread: a value between the lowest and the highest
-    real repeat is within it, one beyond the highest is not, the spread is (highest - lowest) / the
-    median, and a point of one repeat has no spread to judge by."""
-    import statistics
+def test_validate_counts_met_and_inside_per_value_on_a_small_synthetic_run():
+    """The counting behind the JSON line, on hand-made points (no timing): a value is met when its
+    error is within its target (5% on means, 10% on p99), inside when it lies between the lowest and
+    highest real repeat; a point of one repeat has no range (not judged), a missing value is neither;
+    the other run's side is counted the same way."""
+    from experiments.analysis.validate import TARGETS_KEYS, counts, point_result, summary
 
-    from experiments.analysis.validate import summary, within_range
+    def reps(values):        # one repeat per value, every metric missing but ttft_mean and tpot_p99
+        return [{k: None for k in TARGETS_KEYS} | {"ttft_mean": t, "tpot_p99": p} for t, p in values]
 
-    def point(name, real, sim):
-        keys = ["ttft_mean", "tpot_p99"]
-        vals = {k: statistics.median(real) for k in keys}
-        return {"point": name, "repeats": len(real), "real": vals, "sim": dict(zip(keys, sim)),
-                "error": {k: (s - vals[k]) / vals[k] for k, s in zip(keys, sim)},
-                "real_range": {k: [min(real), max(real)] for k in keys}}
-
-    a = point("a", [10.0, 12.0, 14.0], [13.5, 14.5])
-    one = point("one", [10.0], [10.0, 11.0])
-    assert within_range(a, "ttft_mean") is True and within_range(a, "tpot_p99") is False
-    assert within_range(one, "ttft_mean") is None
-    line = summary({"points": [a, one]})
-    assert line["real_spread"]["a/ttft_mean"] == pytest.approx(4.0 / 12.0)
-    assert line["real_spread"]["one/ttft_mean"] is None
-    assert line["_inside"] == (1, 2)
+    real = reps([(10.0, 20.0), (12.0, 22.0), (14.0, 24.0)])          # medians 12 and 22, ranges [10, 14], [20, 24]
+    # simulated: ttft_mean 12.5 (+4.2%: met, inside), tpot_p99 25.0 (+13.6%: missed, outside)
+    a = point_result("a", "a", real, reps([(12.5, 25.0)] * 3), reps([(11.0, 21.0)] * 3))
+    # one real repeat: met judged on the error alone (+20%: missed; +5%: met), no range to lie within
+    one = point_result("one", "one", reps([(10.0, 20.0)]), reps([(12.0, 21.0)]), reps([(10.0, 20.0)]))
+    result = {"points": [a, one], "against": "other-run"}
+    sim = counts(result)
+    assert (sim["met"], sim["total"], sim["inside"], sim["judged"]) == (2, 4, 1, 2)
+    assert sim["errors"]["a/ttft_mean"] == pytest.approx(0.5 / 12) and sim["errors"]["a/goodput"] is None
+    other = counts(result, "other")                    # 11.0 (-8.3%: missed), 21.0 (-4.5%: met), 10 and 20 exact
+    assert (other["met"], other["total"], other["inside"], other["judged"]) == (3, 4, 2, 2)
+    line = summary(result)
+    assert (line["met"], line["total"], line["inside"]) == (2, 4, 1)
+    assert (line["against"]["met"], line["against"]["total"], line["against"]["inside"]) == (3, 4, 2)
+    assert line["real_spread"]["a/ttft_mean"] == pytest.approx(4.0 / 12.0) and line["real_spread"]["one/ttft_mean"] is None
+    assert line["max_abs_error"] == pytest.approx(0.2)
 
 
 def test_validate_reads_which_route_the_cpu_linears_took_in_the_run_and_in_the_profile(tmp_path):

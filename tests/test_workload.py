@@ -164,7 +164,7 @@ def test_missing_or_empty_trace_file(tmp_path):
     ({"prompt_len": {"dist": "lognormal", "mean": -3}}, "^prompt_len.mean=-3 must be positive$"),
     ({"output_len": {"dist": "zipf"}}, r"^output_len.dist='zipf': choose one of"),
     ({"output_len": {"min": 10, "max": 5}}, "^output_len.max=5 must be >= min=10$"),
-    ({"output_len": {"value": 8, "min": 10}}, r"^output_len.value=8 is outside \[min=10, max=4096\]$"),
+    ({"output_len": {"value": 8, "min": 10}}, r"^output_len.value=8 is outside \[min=10, max=None\]$"),
     ({"prompt_len": {"mena": 3}}, "^prompt_len.mena: unknown key"),
 ])
 def test_bad_config_names_the_key(kwargs, message):
@@ -176,3 +176,17 @@ def test_config_accepts_omegaconf_nodes():
     node = OmegaConf.create({"prompt_len": {"dist": "uniform", "min": 3, "max": 9}})
     cfg = WorkloadConfig(prompt_len=node.prompt_len)
     assert cfg.prompt_len == LengthSpec(dist="uniform", min=3, max=9)
+
+
+def test_lengths_are_bounded_by_the_model_s_context_not_a_constant():
+    """No default cap: an 8,192-token prompt is a valid fixed length, and each request is fitted to
+    the model's context (Llama-3-8B's 8,192: the prompt gives way to the output)."""
+    spec = LengthSpec(value=8192)
+    assert spec.max is None
+    cfg = WorkloadConfig(num_requests=2, prompt_len=spec, output_len=LengthSpec(value=128))
+    reqs = build_workload(cfg, vocab_size=100, max_model_len=8192, seed=0, token_ids=False)
+    assert [(r.num_prompt_tokens, r.max_tokens) for r in reqs] == [(8064, 128)] * 2
+    reqs = build_workload(cfg, vocab_size=100, max_model_len=131072, seed=0, token_ids=False)
+    assert [r.num_prompt_tokens for r in reqs] == [8192] * 2
+    with pytest.raises(ValueError, match="uniform distribution needs an upper bound"):
+        LengthSpec(dist="uniform", min=1)

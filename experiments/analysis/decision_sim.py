@@ -28,8 +28,8 @@ def cell_config(base: DictConfig, prompt_len: int, output_len: int, slo: dict, l
     cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
     cfg.workload = OmegaConf.merge(cfg.workload, {
         "name": "fixed", "arrival": "poisson", "length_scale": 1.0, "trace": None,
-        "prompt_len": {"dist": "fixed", "value": prompt_len, "min": 1, "max": max(prompt_len, 4096)},
-        "output_len": {"dist": "fixed", "value": output_len, "min": 1, "max": max(output_len, 4096)}})
+        "prompt_len": {"dist": "fixed", "value": prompt_len, "min": 1, "max": None},
+        "output_len": {"dist": "fixed", "value": output_len, "min": 1, "max": None}})
     cfg.slo.ttft_ms, cfg.slo.tpot_ms = float(slo["ttft_ms"]), float(slo["tpot_ms"])
     cfg.hardware.link_bw, cfg.hardware.gpus_per_node = float(link_bw), 1
     cfg.transfer.stream = stream

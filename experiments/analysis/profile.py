@@ -15,14 +15,15 @@
    the median seconds per transfer at each size are fitted as latency + bytes / bandwidth.
 5. Serving calibration (calibrate=true): a short real run of the three default layouts on this
    machine (its own seed, not a run anything is validated against; `calibration.repeats` times
-   round-robin, so it reads the machine at several moments) gives the router's message
-   latencies (dispatch: submit to the worker's first step of a request that found its worker idle;
-   return: a first token's step end to the router) and how much slower steps run while serving than in
-   isolation (`scale`: the median ratio of measured to fitted step time over the calibration run's
-   decode-only and prefill-only steps, whose features steps.jsonl determines; see `calibrate`).
+   round-robin, so it reads the machine at several moments) gives the router's message latencies,
+   the busy host gap, the KV handoff as served, and the serving factors: how much slower decode and
+   prefill steps run while serving than in isolation, and how much slower again while another worker
+   of the host is busy (experiments/analysis/calibrate.py; docs/simulator.md).
 
 The machine's load over each part is recorded (experiments/serving/machine.py). Written as JSON to
-profiles/<hardware>/<model>-<dtype>-<threads>t.json, <hardware> naming this machine (`machine_name`).
+profiles/<hardware>/<model>-<dtype>-<threads>t.json, <hardware> naming this machine (`machine_name`):
+a few KB, the step grid kept as one row per cell (batch, context, chunk, start, median seconds), what
+a refit reads.
 """
 from __future__ import annotations
 
@@ -148,18 +149,30 @@ def measure_steps(bench: StepBench, cells, repeats: int) -> dict:
     return samples
 
 
+CELL_COLUMNS = ("batch", "context", "chunk", "start", "median_s")
+
+
 def fit_steps(samples: dict) -> dict:
+    """The step model fitted to the median of each cell's samples ({(B, C, P, s): [seconds]}); the
+    fit error per cell is relative to that median, the repeat noise each sample's distance from it."""
     cells = list(samples)
     feats = [chunk_features(b, b * c, [(p, s, True)] if p else []) for b, c, p, s in cells]
     med = [statistics.median(samples[c]) for c in cells]
     coef, err = fit_linear(feats, med)
     noise = [abs(x - m) / m for c, m in zip(cells, med) for x in samples[c]]
-    model = LinearStepModel(coef)
-    per_cell = [{"batch": b, "context": c, "chunk": p, "start": s, "median_s": m, "predicted_s": model.time(f),
-                 "samples_s": samples[(b, c, p, s)]} for (b, c, p, s), m, f in zip(cells, med, feats)]
     return {"coef": coef, "fit_error": err,
-            "repeat_noise": {"median_abs": float(np.median(noise)), "p90_abs": float(np.percentile(noise, 90))},
-            "cells": per_cell}
+            "repeat_noise": {"median_abs": float(np.median(noise)), "p90_abs": float(np.percentile(noise, 90)),
+                             "samples_per_cell": max(len(v) for v in samples.values())},
+            "cells": {"columns": list(CELL_COLUMNS),
+                      "rows": [[b, c, p, s, float(f"{m:.4g}")] for (b, c, p, s), m in zip(cells, med)]}}
+
+
+def cell_medians(cells: dict) -> dict:
+    """{(B, C, P, s): [median seconds]} from a profile's cells (what fit_steps reads back)."""
+    if isinstance(cells, list):            # an older profile: one dict per cell, every sample kept
+        return {(c["batch"], c["context"], c["chunk"], c["start"]): [statistics.median(c["samples_s"])]
+                for c in cells}
+    return {tuple(r[:4]): [r[4]] for r in cells["rows"]}
 
 
 # -- 2. host gap ------------------------------------------------------------------------------------
@@ -237,8 +250,7 @@ def measure_transfers(sizes_mib, repeats: int, bench_repeats: int = 8) -> dict:
             raise RuntimeError(f"benchmarks.transfer failed: {proc.stderr.strip().splitlines()[-1:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     out = {"source": f"python -m benchmarks.transfer --sizes-mib {','.join(map(str, sizes_mib))} --repeats "
-                     f"{bench_repeats}, {repeats} times; median per size",
-           "runs": [r["results"] for r in runs]}
+                     f"{bench_repeats}, {repeats} times; median per size"}
     for backend in runs[0]["backends"]:
         sizes, secs = [], []
         for i, row in enumerate(runs[0]["results"]):
@@ -248,6 +260,16 @@ def measure_transfers(sizes_mib, repeats: int, bench_repeats: int = 8) -> dict:
         model, err = fit_transfer(sizes, secs, backend)
         out[backend] = model.to_dict() | {"bytes": sizes, "seconds": secs, "fit_error": err}
     return out
+
+
+def describe(factors: dict) -> str:
+    return ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()) or "none (too few steps)"
+
+
+def write(path: Path, prof: dict) -> None:
+    """The profile as compact JSON (one line per top-level key), a few KB."""
+    path.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                                        for k, v in prof.items()) + "\n}\n")
 
 
 def timed(fn, *args, **kwargs):
@@ -323,15 +345,13 @@ def run(cfg, out_dir: Path) -> dict:
         prof["serving"] = cal | {"source": f"python -m experiments.run seed={c.seed} (three layouts, "
                                            f"{c.get('repeats', 1)} x {c.num_requests} requests at {c.rate}/s)"}
         prof["machine"]["calibration"] = m_cal
-        sd = cal["slowdown"]
         print(f"5/5 serving: dispatch {cal['dispatch_s'] * 1e3:.2f} ms, return {cal['return_s'] * 1e3:.2f} ms, gap "
-              f"{cal['gap_s'] * 1e3:.3f} ms; steps x{sd['ratio'][0]:.2f} (at {sd['pred_s'][0] * 1e3:.1f} ms) to "
-              f"x{sd['ratio'][-1]:.2f} (at {sd['pred_s'][-1] * 1e3:.1f} ms) of the isolated profile")
+              f"{cal['gap_s'] * 1e3:.3f} ms; factors {describe(cal['factors'])}")
     else:
         print("5/5 serving calibration skipped (calibrate=false)")
     path = Path(cfg.out) if cfg.out else profile_path(cfg.model.name, dname, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof, indent=1))
+    write(path, prof)
     prof["path"] = str(path)
     prof["elapsed_s"] = time.time() - started
     return prof
@@ -353,11 +373,12 @@ def refit(cfg) -> dict:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         path = profile_path(cfg.model.name, dname, cfg.threads or max(1, cores // 2))
     prof = json.loads(path.read_text())
-    samples = {(c["batch"], c["context"], c["chunk"], c["start"]): c["samples_s"] for c in prof["grid"]["cells"]}
+    samples = cell_medians(prof["grid"]["cells"])
     steps = fit_steps(samples)
     gap_coef = prof["gap"]["gap_coef"]
     prof["step_model"] = LinearStepModel(steps["coef"], gap_coef, name=prof["step_model"]["name"]).to_dict()
     prof["fit_error"], prof["grid"]["cells"] = steps["fit_error"], steps["cells"]
+    prof.get("transfer", {}).pop("runs", None)
     prof["refitted"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     e = steps["fit_error"]
     print(f"steps refitted to the profile's {len(samples)} cells: fit error median {e['median_abs']:.1%}, p90 "
@@ -372,7 +393,7 @@ def refit(cfg) -> dict:
         print(f"serving calibrated from {run_dir} (other processes used {cal['other_cores'] or 0:.2f} cores)")
     elif prof.get("serving"):
         print("warning: the serving calibration was made against the old step model; give calibration.run_dir")
-    path.write_text(json.dumps(prof, indent=1))
+    write(path, prof)
     return prof | {"path": str(path), "elapsed_s": time.time() - started}
 
 

@@ -1,25 +1,25 @@
-"""How close the simulator comes to a real run: `python -m experiments.validate RUN_DIR [--profile FILE]`.
+"""How close the simulator comes to a real run: `python -m experiments.validate RUN_DIR [--against OTHER_RUN]`.
 
 Every repeat of every point under RUN_DIR (docs/run-directory.md) is replayed through the simulator: the same
 config (the repeat's config.yaml), the same requests (each one's arrival_s, prompt_len and max_tokens
 from requests.jsonl), with the costs of the machine that ran it (its profile: this machine's for the
 run's model and worker threads, or --profile). Real and simulated metrics are computed by the same
 experiments/serving/metrics.summarize; a point's value is the median over its repeats. Printed per
-point and metric (TTFT, TPOT, ITL, E2EL: mean, p50, p90, p99; goodput): real, simulated, error =
-(simulated - real) / real; then the conditions (the real run's machine load, the profile's fit error,
-and the CPU other processes used during the calibration and during the run). On a shared machine
-the calibration holds for the load it was made at: `--calibration DIR` recalibrates the profile's
-serving part from another real run (one made beside the run validated, never the run itself). Where
-the run's workers timed the speed probe (workers/probe.py) and the calibration's did too, its
-steps are priced at the run's probe / the calibration's (--no-speed: at the calibration's).
-`--against OTHER_RUN` puts a second real run of the same requests in the simulator's place: how far
-this machine is from itself, the floor of any simulator's error here. Beside each real value go the
-lowest and highest of its repeats (the run's own spread, in the same run: on a machine whose speed
-moves that much from one repeat to the next, no error smaller than it can be told), and whether the
-simulated value lies within them (for three repeats of one steady machine, the range holds the
-median's true value three times in four). The last line is JSON: {"errors": {"ttft_mean": ..., ...},
-"max_abs_error": ..., "real_spread": {"ttft_mean": (highest - lowest) / value, ...}}, with keys
-"<metric>" for a run of one point and "<point>/<metric>" for several.
+point and value (TTFT, TPOT, ITL, E2EL: mean, p50, p90, p99; goodput): the real value and the lowest
+and highest of its repeats (the run's own spread), the simulated value, its error (simulated - real)
+/ real, whether that meets the target (TARGETS: 5% on means, p50 and goodput, 10% on p90 and p99),
+and whether the simulated value lies within the real repeats' range. `--against OTHER_RUN` adds the
+same for a second real run of the same requests, beside the simulator: how far this machine is from
+itself, the floor of any simulator's error here (docs/simulator.md states the target as the simulator
+meeting at least as many values as that second run). `--without NAME` leaves a part of the profile's
+calibration out (a step factor: decode, prefill, shared_host; or gap_s, dispatch_s, return_s,
+handoff): how a factor is shown to earn its place. `--calibration DIR` recalibrates the profile's
+serving part from another real run (one made beside the run validated, never the run itself).
+
+The last line is JSON: {"met": n, "total": n, "inside": n, "judged": n, "errors": {...},
+"max_abs_error": x, "real_spread": {...}} (judged: values with a spread to lie within, i.e. points of
+two repeats or more), and with --against {"against": {the same counts and errors}}; keys "<metric>"
+for a run of one point, "<point>/<metric>" for several.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.analysis.calibrate import run_speed
 from experiments.config import parse
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
@@ -42,9 +41,9 @@ from experiments.sim.simulator import Arrival
 from experiments.sim.stepmodel import LinearStepModel
 from workers.config import gemm_route
 
-SEEDS = 25
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
 TARGETS = {"mean": 0.05, "p50": 0.05, "p90": 0.10, "p99": 0.10, "goodput": 0.05}
+TARGETS_KEYS = [name for name, _, _ in METRICS] + ["goodput"]
 
 
 def metric_values(m: dict) -> dict:
@@ -71,31 +70,15 @@ def _machine(rep_dir: Path) -> dict:
     return _metrics(rep_dir).get("machine") or {}
 
 
-def replay(rep_dir: Path, profile: Path | None = None, calibrated: bool = True,
-           seeds: int = SEEDS, serving: dict | None = None, speed: dict | None = None) -> tuple[dict, dict, dict]:
-    """(real metrics, simulated metrics, the simulation's costs detail) of one repeat; the simulated
-    value of each metric is its median over `seeds` simulations with different noise draws (one run's
-    draws move a tail as much as the machine does). `speed` is the run's speed probe (run_speed): where
-    the calibration has one too, steps are priced at that speed / the calibration's."""
+def replay(rep_dir: Path, costs) -> dict:
+    """The simulated values of one repeat: its requests through the simulator at `costs`."""
     spec = _spec(rep_dir)
     rows = read_jsonl(rep_dir / "requests.jsonl")
     arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
                       key=lambda a: a.arrival_s)
-    path = profile or profile_for(spec)
-    costs = from_profile(path, spec.transfer.backend, calibrated, serving)
-    calibration_speed = costs.detail.get("calibration_speed")
-    if speed is not None and calibration_speed:     # the factors hold at the calibration's speed
-        costs.speed = {k: speed[k] / calibration_speed[k] for k in calibration_speed}
     s, n = spec.slo, spec.cluster.num_workers
-    real = real_values(rep_dir)
-    runs = []
-    for seed in range(seeds if costs.noise else 1):
-        sim_rows, _ = outputs(simulate(spec, arrivals, costs, record_steps=False, noise_seed=spec.seed + seed))
-        runs.append(metric_values(summarize(sim_rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target)))
-    simulated = {k: _median([r[k] for r in runs]) for k in TARGETS_KEYS}
-    return real, simulated, {"source": costs.source, "seeds": len(runs), **costs.detail,
-                             "run_other_cores": _machine(rep_dir).get("other_cores"),
-                             "speed_used": costs.speed or None}
+    sim_rows, _ = outputs(simulate(spec, arrivals, costs, record_steps=False))
+    return metric_values(summarize(sim_rows, s.ttft_ms, s.tpot_ms, n, s.attainment_target))
 
 
 def real_values(rep_dir: Path) -> dict:
@@ -109,9 +92,9 @@ def _requests(rep_dir: Path) -> list[tuple]:
     return sorted((r["id"], r["prompt_len"], r["max_tokens"]) for r in read_jsonl(rep_dir / "requests.jsonl"))
 
 
-def against_real(p, other: Path) -> tuple[list[dict], dict]:
+def against_real(p, other: Path) -> list[dict]:
     """The values of point p's counterpart in another real run of the same requests (a repeat of the
-    experiment), in the simulator's place: how close this machine comes to itself."""
+    experiment), repeat by repeat: how close this machine comes to itself."""
     label = p.info.get("label")
     match = [q for q in find_points(other) if q.rel == p.rel and q.metrics is not None and q.info.get("label") == label]
     if not match:
@@ -120,13 +103,7 @@ def against_real(p, other: Path) -> tuple[list[dict], dict]:
     if len(q.repeats) != len(p.repeats) or any(_requests(a) != _requests(b) for a, b in zip(p.repeats, q.repeats)):
         raise ValueError(f"--against {other}: point {p.rel!r} did not serve the same requests (ids, prompt "
                          f"and output lengths) in the same number of repeats")
-    return [real_values(d) for d in q.repeats], {"source": f"the real run {other}", "seeds": 0}
-
-
-def raw_model(profile: Path):
-    """The profile's fitted step model alone (no serving calibration): what probe_speed compares with."""
-    step = json.loads(Path(profile).read_text())["step_model"]
-    return LinearStepModel(step["coef"], terms=step.get("terms"))
+    return [real_values(d) for d in q.repeats]
 
 
 def _route(rows) -> str:
@@ -144,8 +121,33 @@ def linear_routes(rep_dirs: list[Path], profile: Path) -> dict:
     return {"run": sorted(run), "profile": _route(profiled)}
 
 
+def judge(real: dict, real_range: dict, repeats: int, values: dict) -> dict:
+    """Per value of TARGETS_KEYS: {"value", "error", "met", "inside"} of `values` (simulated, or another
+    run's) against a point's real median and range; error and met None where either side lacks the
+    value, inside None also with one real repeat (no spread to lie within)."""
+    out = {}
+    for k in TARGETS_KEYS:
+        r, v, rng = real.get(k), values.get(k), real_range.get(k)
+        err = (v - r) / r if r and v is not None else None
+        inside = None if rng is None or v is None or repeats < 2 else rng[0] <= v <= rng[1]
+        out[k] = {"value": v, "error": err, "met": None if err is None else abs(err) <= target(k), "inside": inside}
+    return out
+
+
+def point_result(name: str, label, real_reps: list[dict], sim_reps: list[dict], other_reps: list[dict] | None) -> dict:
+    """One point: the real median and range over its repeats, the simulated (and other run's) median
+    over the same repeats, each judged."""
+    real = {k: _median([r[k] for r in real_reps]) for k in TARGETS_KEYS}
+    spread = {k: _range([r[k] for r in real_reps]) for k in TARGETS_KEYS}
+    out = {"point": name, "label": label, "repeats": len(real_reps), "real": real, "real_range": spread}
+    for key, reps in (("sim", sim_reps), ("other", other_reps)):
+        if reps is not None:
+            out[key] = judge(real, spread, len(real_reps), {k: _median([r[k] for r in reps]) for k in TARGETS_KEYS})
+    return out
+
+
 def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True,
-             calibration: Path | None = None, use_speed: bool = True, against: Path | None = None) -> dict:
+             calibration: Path | None = None, against: Path | None = None, without: tuple = ()) -> dict:
     points = [p for p in find_points(run_dir) if p.metrics is not None]
     if not points:
         raise ValueError(f"no completed point under {run_dir}")
@@ -154,46 +156,32 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
         if Path(calibration).resolve() == Path(run_dir).resolve():
             raise ValueError("--calibration must be another run than the one validated")
         serving = recalibrate(calibration, profile, points[0])
-    groups: dict[Path, list] = {}
+    if against is not None and Path(against).resolve() == Path(run_dir).resolve():
+        raise ValueError("--against must be another run than the one validated")
+    results, costs_of = [], {}
     for p in points:
-        groups.setdefault(Path(profile or profile_for(_spec(p.repeats[0]))), []).append(p)
-    speed_of, routes = {}, {}           # the run's speed, over the repeats of the points of one profile
-    for path, ps in groups.items():
-        routes.update({p.rel: linear_routes(p.repeats, path) for p in ps})
-        speed = run_speed([d for p in ps for d in p.repeats], raw_model(path)) if use_speed and against is None else None
-        speed_of.update({p.rel: speed for p in ps})
-    results = []
-    for p in points:
-        if against is not None:
-            values, detail = against_real(p, against)
-            reps = [(real_values(d), v, detail | {"speed_used": None}) for d, v in zip(p.repeats, values)]
-        else:
-            reps = [replay(d, profile, calibrated, SEEDS, serving, speed_of[p.rel]) for d in p.repeats]
-        real = {k: _median([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
-        spread = {k: _range([r[k] for r, _, _ in reps]) for k in TARGETS_KEYS}
-        sim = {k: _median([s[k] for _, s, _ in reps]) for k in TARGETS_KEYS}
-        err = {k: (sim[k] - real[k]) / real[k] if real[k] and sim[k] is not None else None for k in TARGETS_KEYS}
-        load = [((m.get("machine") or {}).get("load_1m_end")) for m in [p.metrics]]
-        results.append({"point": p.info.get("layout") or p.info.get("label") or p.rel, "label": p.info.get("label"),
-                        "repeats": len(reps), "real": real, "sim": sim, "error": err, "real_range": spread,
-                        "machine": p.metrics.get("machine") or {}, "costs": reps[0][2], "load": load[0],
-                        "speed": reps[0][2]["speed_used"], "run_speed": speed_of[p.rel],
-                        "linears": routes[p.rel]})
-    return {"points": results}
-
-
-TARGETS_KEYS = [name for name, _, _ in METRICS] + ["goodput"]
+        spec = _spec(p.repeats[0])
+        path = Path(profile or profile_for(spec))
+        key = (path, spec.transfer.backend)
+        if key not in costs_of:
+            costs_of[key] = from_profile(path, spec.transfer.backend, calibrated, serving, tuple(without))
+        costs = costs_of[key]
+        other = against_real(p, against) if against is not None else None
+        r = point_result(p.info.get("layout") or p.info.get("label") or p.rel, p.info.get("label"),
+                         [real_values(d) for d in p.repeats], [replay(d, costs) for d in p.repeats], other)
+        r |= {"machine": p.metrics.get("machine") or {}, "linears": linear_routes(p.repeats, path),
+              "costs": {"source": costs.source, **costs.detail,
+                        "run_other_cores": _machine(p.repeats[0]).get("other_cores")}}
+        results.append(r)
+    return {"points": results, "against": str(against) if against is not None else None}
 
 
 def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     """The serving calibration of the profile, redone from the real run at run_dir."""
     from experiments.analysis.calibrate import calibrate
-    from experiments.sim.backend import profile_for
 
     if profile is None:
-        cfg = OmegaConf.load(point.repeats[0] / "config.yaml")
-        cfg.pop("hydra", None)
-        profile = profile_for(parse(cfg))
+        profile = profile_for(_spec(point.repeats[0]))
     prof = json.loads(Path(profile).read_text())
     step = prof["step_model"]
     cal = calibrate([Path(run_dir)], LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms")))
@@ -207,15 +195,6 @@ def _range(xs) -> list | None:
     return [min(xs), max(xs)]
 
 
-def within_range(p: dict, k: str) -> bool | None:
-    """Whether point p's simulated value of k lies within its real repeats' range: the run's own
-    spread, repeat to repeat (None with one repeat, where there is no spread to tell)."""
-    r, s = p["real_range"].get(k), p["sim"].get(k)
-    if r is None or s is None or p["repeats"] < 2:
-        return None
-    return r[0] <= s <= r[1]
-
-
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -225,77 +204,79 @@ def target(key: str) -> float:
     return TARGETS["goodput" if key == "goodput" else key.rsplit("_", 1)[1]]
 
 
-def summary(result: dict) -> dict:
+def counts(result: dict, side: str = "sim") -> dict:
+    """{"met", "total", "inside", "judged", "errors"} of one side ("sim" or "other") over every point and
+    value: met of total values with an error, inside of judged values with a real spread."""
     many = len(result["points"]) > 1
-    errors, spread, inside = {}, {}, {}
+    errors, met, total, inside, judged = {}, 0, 0, 0, 0
     for p in result["points"]:
-        for k, e in p["error"].items():
-            key = f"{p['point']}/{k}" if many else k
-            errors[key] = e
+        for k, j in p[side].items():
+            errors[f"{p['point']}/{k}" if many else k] = j["error"]
+            if j["met"] is not None:
+                total += 1
+                met += j["met"]
+            if j["inside"] is not None:
+                judged += 1
+                inside += j["inside"]
+    return {"met": met, "total": total, "inside": inside, "judged": judged, "errors": errors}
+
+
+def summary(result: dict) -> dict:
+    """The JSON line: the simulator's counts and errors, the real spread, and the other run's counts."""
+    many = len(result["points"]) > 1
+    line = counts(result)
+    defined = [abs(e) for e in line["errors"].values() if e is not None]
+    spread = {}
+    for p in result["points"]:
+        for k in TARGETS_KEYS:
             r, real = p["real_range"].get(k), p["real"].get(k)
-            spread[key] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
-            inside[key] = within_range(p, k)
-    defined = [abs(e) for e in errors.values() if e is not None]
-    met = {k: abs(e) <= target(k.rsplit("/", 1)[-1]) for k, e in errors.items() if e is not None}
-    judged = [v for v in inside.values() if v is not None]
-    return {"errors": errors, "max_abs_error": max(defined) if defined else None, "real_spread": spread,
-            "_met": (sum(met.values()), len(met)), "_inside": (sum(judged), len(judged))}
+            spread[f"{p['point']}/{k}" if many else k] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
+    line |= {"max_abs_error": max(defined) if defined else None, "real_spread": spread}
+    if result.get("against"):
+        line["against"] = counts(result, "other") | {"run": result["against"]}
+    return line
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _cell(j: dict) -> str:
+    if j["error"] is None:
+        return f"{_fmt(j['value']):>9} {'n/a':>7} {'':>6} {'':>7}"
+    inside = "" if j["inside"] is None else ("inside" if j["inside"] else "outside")
+    return f"{_fmt(j['value']):>9} {j['error']:>+7.1%} {'met' if j['met'] else 'MISSED':>6} {inside:>7}"
 
 
 def print_table(result: dict) -> None:
+    other = result.get("against")
     for p in result["points"]:
         m = p["machine"]
         load = m.get("load_1m_end_max", m.get("load_1m_end"))
         print(f"== {p['label']} ({p['repeats']} repeat(s); real run's 1-min load up to "
               f"{'n/a' if load is None else f'{load:.1f}'} on {m.get('cores', '?')} cores) ==")
-        c, sp, run = p["costs"], p["speed"], p["run_speed"]
-        cal = c.get("calibration_speed")
-        if sp:
-            print(f"steps priced at this run's speed probe: decode {sp['decode']:.2f}x, prefill {sp['prefill']:.2f}x "
-                  f"the calibration's (probe / profile: run {run['decode']:.2f}x, {run['prefill']:.2f}x; "
-                  f"calibration {cal['decode']:.2f}x, {cal['prefill']:.2f}x)")
-        elif c.get("seeds"):
-            why = ("no speed probe in the calibration" if cal is None else "no speed probe in this run"
-                   if run is None else "--no-speed")
-            print(f"steps priced at the calibration's speed ({why})")
-        other = "other run" if against_mode(result) else "simulated"
-        print(f"{'metric':<12} {'real':>10} {'real repeats':>17} {other:>10} {'error':>8}  target")
+        head = f"{'value':<12} {'real':>9} {'real repeats':>15}  {'simulated':>9} {'error':>7} {'target':>6} {'range':>7}"
+        print(head + (f"  {'other run':>9} {'error':>7} {'target':>6} {'range':>7}" if other else ""))
         for k in TARGETS_KEYS:
-            r, s, e, rng = p["real"][k], p["sim"][k], p["error"][k], p["real_range"][k]
-            unit = "req/s" if k == "goodput" else "ms"
-            text = "n/a" if e is None else f"{e:+.1%}"
-            ok = "" if e is None else ("met" if abs(e) <= target(k) else "MISSED")
+            rng = p["real_range"][k]
             span = "n/a" if rng is None else f"{_fmt(rng[0])}-{_fmt(rng[1])}"
-            inside = within_range(p, k)
-            where = "" if inside is None else ("; within the repeats" if inside else "; outside the repeats")
-            print(f"{k:<12} {_fmt(r):>10} {span:>17} {_fmt(s):>10} {text:>8}  +-{target(k):.0%} {ok}{where}  {unit}")
-    c = result["points"][0]["costs"]
-    if against_mode(result):
-        print(f"compared with {c['source']}, not simulated")
-        return
+            row = f"{k:<12} {_fmt(p['real'][k]):>9} {span:>15}  {_cell(p['sim'][k])}"
+            print(row + (f"  {_cell(p['other'][k])}" if other else ""))
     for p in result["points"]:
         lin = p["linears"]
         known = [r for r in lin["run"] if r != "unrecorded"]
         if lin["profile"] != "unrecorded" and known and known != [lin["profile"]]:
             print(f"{p['label']}: the run's CPU linears took {' and '.join(known)}, the profile's steps "
                   f"{lin['profile']}: it prices another engine (python -m experiments.profile on this one)")
+    c = result["points"][0]["costs"]
     fe = c.get("fit_error") or {}
+    factors = ", ".join(f"{k} x{v:.2f}" for k, v in (c.get("factors") or {}).items()) or "none"
     print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
-          f"{fe.get('p90_abs', float('nan')):.1%}; {c.get('seeds')} noise seed(s) per repeat")
-    runs = [p["costs"].get("run_other_cores") for p in result["points"]]
-    runs = [x for x in runs if x is not None]
+          f"{fe.get('p90_abs', float('nan')):.1%}; serving factors {factors}")
+    runs = [x for x in (p["costs"].get("run_other_cores") for p in result["points"]) if x is not None]
     cal = c.get("calibration_other_cores")
     print(f"other processes' CPU: {'n/a' if cal is None else f'{cal:.2f}'} cores during the calibration, "
           f"{', '.join(f'{x:.2f}' for x in runs) or 'n/a'} during the run (first repeat of each point)")
-
-
-def against_mode(result: dict) -> bool:
-    """Whether another real run stands in the simulator's place (--against)."""
-    return result["points"][0]["costs"].get("seeds") == 0
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,30 +284,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path, help="a real run: one point, a directory of points, or a sweep")
     ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
     ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
+    ap.add_argument("--without", action="append", default=[], metavar="NAME",
+                    help="leave out one part of the calibration (decode, prefill, shared_host, gap_s, dispatch_s, "
+                         "return_s, handoff); repeat for more")
     ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
     ap.add_argument("--against", type=Path, metavar="OTHER_RUN",
-                    help="compare with another real run of the same requests instead of the simulator: "
-                         "how far the machine is from itself, the floor of any simulator's error here")
-    ap.add_argument("--no-speed", action="store_true",
-                    help="price steps at the calibration's speed, not at the run's speed probe")
+                    help="also compare another real run of the same requests: how far the machine is from "
+                         "itself, the floor of any simulator's error here")
     args = ap.parse_args(argv)
     try:
-        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, not args.no_speed,
-                          args.against)
+        result = validate(args.run_dir, args.profile, not args.uncalibrated, args.calibration, args.against,
+                          tuple(args.without))
     except (ValueError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print_table(result)
     line = summary(result)
-    met, total = line.pop("_met")
-    inside, judged = line.pop("_inside")
     print(f"targets: |error| <= {TARGETS['mean']:.0%} on means and p50, {TARGETS['p90']:.0%} on p90 and p99, "
-          f"{TARGETS['goodput']:.0%} on goodput: {met} of {total} met")
-    if judged:
-        spreads = [v for v in line["real_spread"].values() if v is not None]
-        who = "other run's" if against_mode(result) else "simulated"
+          f"{TARGETS['goodput']:.0%} on goodput")
+    sides = [("simulated", line)] + ([("other run", line["against"])] if "against" in line else [])
+    for who, c in sides:
+        within = f"; within the real repeats' range on {c['inside']} of {c['judged']}" if c["judged"] else ""
+        print(f"{who}: {c['met']} of {c['total']} met{within}")
+    spreads = [v for v in line["real_spread"].values() if v is not None]
+    if spreads:
         print(f"the real run's own spread (highest - lowest repeat, over the value): median "
-              f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}; the {who} value lies within the real "
-              f"repeats' range on {inside} of {judged}")
+              f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}")
     print(json.dumps(line))
     return 0

@@ -202,8 +202,12 @@ def timeline(path: Path, label: str, steps: list[dict], ymax_ms: float, max_pref
     fig, axes = plt.subplots(len(workers), 1, figsize=(11, 1.6 + 2.1 * len(workers)), sharex=True, squeeze=False)
     norm = Normalize(0, max(max_prefill, 1))
     cmap = plt.cm.viridis
+    by_worker: dict[str, list] = {}
+    for s in steps:
+        if step_ms(s) is not None:
+            by_worker.setdefault(str(s.get("worker")), []).append(s)
     for ax, worker in zip(axes[:, 0], workers):
-        mine = [s for s in steps if str(s.get("worker")) == worker and step_ms(s) is not None]
+        mine = by_worker.get(worker, [])
         for kind, marker in MARKERS.items():
             sel = [s for s in mine if step_kind(s) == kind]
             tokens = np.array([s.get("num_prefill_tokens") or 0 for s in sel], dtype=float)

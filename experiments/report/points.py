@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from experiments.serving.aggregate import aggregate, read_jsonl, repeat_dirs
+from experiments.serving.aggregate import aggregate, read_requests, read_steps, repeat_dirs
+
+STEPS_SHOWN = 100_000       # steps a report reads of a large simulation's steps.npz (experiments/sim/tables.py)
 from experiments.serving.steps import num
 
 
@@ -45,19 +47,32 @@ class Point:
     @cached_property
     def requests(self) -> list[dict]:
         """Every repeat's requests, pooled (each row with `repeat`, its directory's name)."""
-        return [row | {"repeat": d.name} for d in self.repeats for row in read_jsonl(d / "requests.jsonl")]
+        return [row | {"repeat": d.name} for d in self.repeats for row in read_requests(d)]
 
     @cached_property
     def steps(self) -> list[dict]:
-        """The first repeat's steps (a timeline is one run)."""
-        return read_jsonl(self.repeats[0] / "steps.jsonl")
+        """The first repeat's steps (a timeline is one run); of a large simulation's steps.npz, its
+        first STEPS_SHOWN steps in time (`steps_note` says so)."""
+        return read_steps(self.repeats[0], STEPS_SHOWN)
 
     @cached_property
     def all_steps(self) -> list[dict]:
         """Every repeat's steps, pooled; workers named per repeat ("rep1/colocated:0") so runs stay apart."""
         many = len(self.repeats) > 1
         return [s | {"worker": f"{d.name}/{s.get('worker')}" if many else s.get("worker")}
-                for d in self.repeats for s in read_jsonl(d / "steps.jsonl")]
+                for d in self.repeats for s in read_steps(d, STEPS_SHOWN)]
+
+    @cached_property
+    def steps_note(self) -> str | None:
+        """Why the report shows fewer steps than the run made, if it does."""
+        from experiments.sim.tables import table_rows
+
+        path = self.repeats[0] / "steps.npz"
+        if (self.repeats[0] / "steps.jsonl").is_file() or not path.is_file():
+            return None
+        n = table_rows(path)
+        return None if n <= STEPS_SHOWN else (f"{self.label}: timeline and step table from the first {STEPS_SHOWN} "
+                                              f"of {n} steps in time (steps.npz holds them all)")
 
     def m(self, key: str) -> float | None:
         """A number from metrics.json by dotted key ("ttft_ms.p50"); None when absent, null or NaN."""

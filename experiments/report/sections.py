@@ -136,6 +136,7 @@ def interference(r: Report, ok: list[Point]) -> None:
         return
     r.md.append("## Interference: engine step timelines\n")
     drawn = with_steps[:MAX_TIMELINES]
+    r.notes += [note for p in with_steps if (note := p.steps_note)]
     if len(with_steps) > MAX_TIMELINES:
         r.notes.append(f"timelines drawn for the first {MAX_TIMELINES} points by label, of {len(with_steps)}")
     durations = [ms for p in drawn for s in p.steps if (ms := step_ms(s)) is not None]

@@ -34,6 +34,24 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def read_requests(rep_dir: Path) -> list[dict]:
+    """A repeat's request rows: requests.jsonl, or a large simulation's requests.npz (experiments/sim/tables.py)."""
+    return _rows(rep_dir, "requests")
+
+
+def read_steps(rep_dir: Path, max_rows: int | None = None) -> list[dict]:
+    """A repeat's step rows: steps.jsonl, or a large simulation's steps.npz (its first `max_rows`
+    steps in time when given: experiments/sim/tables.read_table)."""
+    return _rows(rep_dir, "steps", max_rows)
+
+
+def _rows(rep_dir: Path, name: str, max_rows: int | None = None) -> list[dict]:
+    if (rep_dir / f"{name}.jsonl").is_file() or not (rep_dir / f"{name}.npz").is_file():
+        return read_jsonl(rep_dir / f"{name}.jsonl")
+    from experiments.sim.tables import read_table
+    return read_table(rep_dir / f"{name}.npz", max_rows)
+
+
 def repeat_dirs(point_dir: Path, limit: int | None = None) -> list[tuple[int, Path]]:
     """(index, directory) of the point's repeats, in order; only indices below `limit` when given."""
     found = []
@@ -69,7 +87,7 @@ def aggregate(point_dir: Path, limit: int | None = None) -> dict | None:
     if not done:
         first = failed[0]
         return {"error": first["error"], "traceback": "", "point": first["point"] or {}, "repeats": summary}
-    reps = [replicates(read_jsonl(d / "requests.jsonl"), read_jsonl(d / "steps.jsonl"), m, i) for i, d, m in done]
+    reps = [_replicates(d, m, i) for i, d, m in done]
     out = across_repeats([m for _, _, m in done], reps)
     out.pop("repeat", None)
     out["point"] = done[0][2].get("point", {})
@@ -78,6 +96,16 @@ def aggregate(point_dir: Path, limit: int | None = None) -> dict | None:
         out["speed_probe"] = probes
     out["repeats"] = summary
     return out
+
+
+def _replicates(d: Path, metrics: dict, index: int) -> dict:
+    """A repeat's within-run replicates; all NaN where it has none (metrics.json's ci_method says why:
+    a large simulation without per-token times), without reading its records."""
+    if str(metrics.get("ci_method", "")).startswith("none"):
+        from experiments.serving.confidence import HEADLINE, NUM_BOOT
+        import numpy as np
+        return {k: np.full(NUM_BOOT, np.nan) for k in HEADLINE}
+    return replicates(read_requests(d), read_steps(d), metrics, index)
 
 
 def probe_range(per_repeat: list[dict | None]) -> dict | None:

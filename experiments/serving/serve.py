@@ -86,7 +86,7 @@ def prepare(cfg: DictConfig, run_dir: Path, overrides: str) -> list[Prepared]:
         except (WorkloadError, ValueError) as e:
             raise ConfigError(f"workload: {str(e).splitlines()[0]}") from None
         c = spec.cluster
-        shared = shared_cores(c.num_workers, c.torch_threads, c.address is None, c.num_cpus)
+        shared = shared_cores(c.num_workers, c.torch_threads, c.address is None, c.num_cpus) if real else None
         out.append(Prepared(run_dir / sub if sub else run_dir, pcfg, spec, requests,
                             identity(spec, pcfg, ",".join(filter(None, [overrides, sub]))), shared))
     return out

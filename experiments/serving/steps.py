@@ -46,10 +46,13 @@ def step_stats(steps: list[dict]) -> list[dict]:
     """Per worker: step-duration percentiles by kind and how much slower a mixed step is than a decode-only one."""
     rows = []
     by_worker = durations_by_kind(steps)
+    tokens: dict[str, list] = {}             # each worker's mixed steps' prefill tokens, in one pass
+    for s in steps:
+        if step_ms(s) is not None and step_kind(s) == "mixed":
+            tokens.setdefault(str(s.get("worker")), []).append(s.get("num_prefill_tokens") or 0)
     for worker in sorted(by_worker):
         ms = by_worker[worker]
-        prefill_tokens = [s.get("num_prefill_tokens") or 0 for s in steps
-                          if str(s.get("worker")) == worker and step_ms(s) is not None and step_kind(s) == "mixed"]
+        prefill_tokens = tokens.get(worker, [])
         dec, mix = pct(ms["decode"], 50), pct(ms["mixed"], 50)
         rows.append({"worker": worker, "decode_p50_ms": dec, "mixed_p50_ms": mix, "mixed_p99_ms": pct(ms["mixed"], 99),
                      "ratio": mix / dec if mix is not None and dec else None,

@@ -63,7 +63,7 @@ class LengthSpec:
     dist: str = "fixed"    # "fixed" | "uniform" | "lognormal"
     value: int = 128       # fixed
     min: int = 1           # bounds for every kind; uniform draws integers in [min, max]
-    max: int = 4096
+    max: int | None = None # None: no bound but the model's context (build_workload fits every request to it)
     mean: float = 128.0    # lognormal: mean of the distribution, in tokens
     sigma: float = 1.0     # lognormal: sigma of the underlying normal
 
@@ -71,11 +71,16 @@ class LengthSpec:
         if self.dist not in DISTS:
             raise ValueError(f"dist={self.dist!r}: choose one of {list(DISTS)}")
         for key, value in (("value", self.value), ("min", self.min), ("max", self.max)):
+            if value is None and key == "max":
+                continue
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a positive integer")
-        if self.max < self.min:
+        if self.dist == "uniform" and self.max is None:
+            raise ValueError("max=None: a uniform distribution needs an upper bound")
+        hi = math.inf if self.max is None else self.max
+        if hi < self.min:
             raise ValueError(f"max={self.max} must be >= min={self.min}")
-        if self.dist == "fixed" and not self.min <= self.value <= self.max:
+        if self.dist == "fixed" and not self.min <= self.value <= hi:
             raise ValueError(f"value={self.value} is outside [min={self.min}, max={self.max}]")
         if not _is_number(self.mean) or self.mean <= 0:
             raise ValueError(f"mean={self.mean!r} must be positive")
@@ -91,7 +96,8 @@ class LengthSpec:
         else:
             raw = rng.lognormal(math.log(self.mean) - self.sigma ** 2 / 2, self.sigma, size=n)
         lo = max(1, round(self.min * scale))
-        return np.clip(np.rint(raw * scale), lo, max(lo, round(self.max * scale))).astype(np.int64)
+        hi = np.inf if self.max is None else max(lo, round(self.max * scale))
+        return np.clip(np.rint(raw * scale), lo, hi).astype(np.int64)
 
 
 def _length_spec(key: str, spec) -> LengthSpec:

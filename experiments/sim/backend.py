@@ -26,6 +26,8 @@ from experiments.serving.steps import step_ratio
 from experiments.sim.costs import Costs, from_profile, from_roofline
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
+from experiments.sim.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
+                                    summarize_sim, write_table)
 from workers.config import from_hf_config, preset
 
 # Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
@@ -74,7 +76,7 @@ def num_blocks(spec: RunSpec, role: str, nbytes: int) -> int:
 
 
 def sim_config(spec: RunSpec, nbytes: int, record_steps: bool = True, keep_tokens: bool = True,
-               fast_forward: bool = True) -> SimConfig:
+               fast_forward: bool = True, pool_gaps: bool = False) -> SimConfig:
     mcfg = model_config(spec)
     roles = spec.cluster.roles
     engines = spec.engines()
@@ -82,8 +84,7 @@ def sim_config(spec: RunSpec, nbytes: int, record_steps: bool = True, keep_token
     return SimConfig(roles, {r: engines[r] for r in set(roles)}, blocks, mcfg.kv_bytes_per_token(nbytes),
                      mcfg.num_layers, spec.max_model_len, spec.router, spec.transfer, spec.fault,
                      spec.cluster.placement, spec.hardware.gpus_per_node if on_gpu(spec) else 0,
-                     getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens,
-                     seed=spec.seed)
+                     getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens, pool_gaps)
 
 
 def worker_threads(spec: RunSpec) -> int:
@@ -122,14 +123,12 @@ def costs_for(spec: RunSpec, serving: dict | None = None) -> Costs:
 
 
 def simulate(spec: RunSpec, arrivals, costs: Costs | None = None, record_steps: bool = True,
-             keep_tokens: bool = True, fast_forward: bool = True, noise_seed: int | None = None) -> Simulator:
+             keep_tokens: bool = True, fast_forward: bool = True, pool_gaps: bool = False) -> Simulator:
     """Run the simulator over `arrivals` (WorkloadRequests, or objects with id, arrival_s, prompt_len,
-    max_tokens); returns it, its records and workers' step logs filled. Noise draws are seeded by
-    `noise_seed` (default: the run's seed)."""
+    max_tokens); returns it, its records and workers' step logs filled (deterministic: no draws).
+    `keep_tokens=False` keeps no per-token times, and `pool_gaps` then pools the inter-token gaps."""
     costs = costs or costs_for(spec)
-    cfg = sim_config(spec, dtype_bytes(spec, costs), record_steps, keep_tokens, fast_forward)
-    if noise_seed is not None:
-        cfg.seed = noise_seed
+    cfg = sim_config(spec, dtype_bytes(spec, costs), record_steps, keep_tokens, fast_forward, pool_gaps)
     sim = Simulator(cfg, costs)
     sim.run(arrivals)
     return sim
@@ -142,36 +141,50 @@ def outputs(sim: Simulator) -> tuple[list[dict], list[dict]]:
 
 
 def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: int, wall_s: float) -> dict:
-    """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (docs/run-directory.md)."""
+    """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (docs/run-directory.md); a simulation
+    that kept no per-token times writes requests.npz and steps.npz instead (experiments/sim/tables.py)."""
     from experiments.serving.serve import write_jsonl
 
-    rows, steps = outputs(sim)
-    write_jsonl(out / "requests.jsonl", rows)
-    write_jsonl(out / "steps.jsonl", steps)
-    metrics = summarize(rows, spec.slo.ttft_ms, spec.slo.tpot_ms, spec.cluster.num_workers, spec.slo.attainment_target)
-    metrics["step_ratio"] = step_ratio(steps)
-    num_gaps = sum(len(r["itl_s"]) for r in rows)
-    if num_gaps <= MAX_CI_GAPS:
+    s = spec.slo
+    if sim.cfg.keep_tokens:
+        rows, steps = outputs(sim)
+        write_jsonl(out / "requests.jsonl", rows)
+        write_jsonl(out / "steps.jsonl", steps)
+        metrics = summarize(rows, s.ttft_ms, s.tpot_ms, spec.cluster.num_workers, s.attainment_target)
+        metrics["step_ratio"] = step_ratio(steps)
+        num_gaps = sum(len(r["itl_s"]) for r in rows)
+    else:
+        cols, steps = request_columns(list(sim.records.values())), step_columns(sim.workers)
+        write_table(out / "requests.npz", cols)
+        write_table(out / "steps.npz", steps)
+        metrics = summarize_sim(sim, cols, s.ttft_ms, s.tpot_ms, spec.cluster.num_workers, s.attainment_target)
+        metrics["step_ratio"] = step_ratio_columns(steps)
+        num_gaps = None
+    if num_gaps is not None and num_gaps <= MAX_CI_GAPS:
         metrics["ci"] = within_run_ci(replicates(rows, steps, metrics, repeat), metrics)
         metrics["ci_method"] = METHOD_WITHIN
     else:
+        why = (f"{num_gaps} ITL gaps, more than the {MAX_CI_GAPS} resampled within a run" if num_gaps is not None
+               else f"no per-token times kept (over {TOKEN_TIMES_MAX} requests)")
         metrics["ci"] = {}
-        metrics["ci_method"] = f"none: {num_gaps} ITL gaps, more than the {MAX_CI_GAPS} resampled within a run"
+        metrics["ci_method"] = f"none: {why}"
     metrics["ci_level"] = 0.95
     metrics["machine"] = {}
     metrics["repeat"], metrics["point"] = repeat, ident | {"backend": "sim", "costs": sim.costs.source}
     metrics["simulated"] = {"costs": sim.costs.source, "detail": sim.costs.detail, "num_events": sim.num_events,
-                            "wall_s": wall_s, "notes": sim.notes}
+                            "wall_s": wall_s, "notes": sim.notes, "token_times": sim.cfg.keep_tokens}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
     return metrics
 
 
 def simulate_repeat(p, repeat: int, out: Path) -> dict:
-    """experiments.serving.serve.serve_repeat's counterpart: one repeat of a prepared point, simulated."""
+    """experiments.serving.serve.serve_repeat's counterpart: one repeat of a prepared point, simulated
+    (every token's time kept up to TOKEN_TIMES_MAX requests, above them columnar records)."""
     spec = p.spec
     costs = costs_for(spec)
     started = time.perf_counter()
-    sim = simulate(spec, p.requests, costs)
+    keep = len(p.requests) <= TOKEN_TIMES_MAX
+    sim = simulate(spec, p.requests, costs, keep_tokens=keep, pool_gaps=not keep)
     ident = dict(p.ident)
     ident["device"] = spec.hardware.name if on_gpu(spec) else (costs.detail.get("hardware") or "profile")
     ident["label"] = f"{ident['label']} [sim]"

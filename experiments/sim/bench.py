@@ -6,6 +6,11 @@ the wall time, the events handled, the engine steps simulated and how many of th
 advanced without scheduling; `--write DIR` also writes the run's files (requests.jsonl, steps.jsonl,
 metrics.json) and times that apart. Ends with one JSON line. Timings are of this machine at this
 moment: compare them within one run.
+
+`--targets` instead runs the scale targets (TARGETS), each command in a child process timed end to end
+with its peak memory, and prints each against its limit and the CPU share the child got (on a loaded
+machine wall time overstates it); the JSON line carries {"targets": [{name, wall_s, max_rss_gb, cpu_s,
+met}]}. `--targets NAME,...` runs only those.
 """
 from __future__ import annotations
 
@@ -21,10 +26,62 @@ from experiments.config import apply_layout, parse
 from experiments.run import CONF_DIR
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate, write_repeat
+from experiments.sim.tables import TOKEN_TIMES_MAX
+
+
+# (name, command, wall-time limit s, memory limit GB): the issue's scale targets, each as a user runs it
+TARGETS = [
+    ("run-100k-64", ["-m", "experiments.run", "backend=sim", "compare=null", "layout=32p32d", "cluster.gpus=64",
+                     "model=llama-3-8b", "hardware=h200", "workload=chat", "workload.num_requests=100000",
+                     "workload.rate=400", "repeats=1"], 60.0, 4.0),
+    ("bench-1m-1000", ["-m", "experiments.sim.bench", "--requests", "1000000", "--gpus", "1000",
+                       "--layouts", "colocated-chunked"], 120.0, None),
+    ("plan-1000", ["-m", "experiments.plan", "model=llama-3-8b", "hardware=h200", "workload=chat",
+                   "slo=interactive", "cluster.gpus=1000"], 30.0, None),
+]
+
+
+def run_target(name: str, args: list[str], out: Path) -> dict:
+    """One target's command in a child process: wall time, CPU time and peak memory (its own and its
+    children's, as getrusage reports them for the waited child)."""
+    import resource
+    import subprocess
+    import sys
+
+    extra = [f"hydra.run.dir={out / name}"] if args[1] in ("experiments.run", "experiments.plan") else []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *args, *extra], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    tail = (proc.stdout.strip().splitlines() or [""])[-1][:200]
+    return {"name": name, "rc": proc.returncode, "wall_s": wall, "cpu_s": cpu, "max_rss_gb": after.ru_maxrss / 1e6,
+            "last_line": tail if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [""])[-1][:200]}
+
+
+def targets(names: str, out: Path) -> int:
+    chosen = [t for t in TARGETS if names == "all" or t[0] in names.split(",")]
+    if not chosen:
+        raise SystemExit(f"--targets {names}: choose from {[t[0] for t in TARGETS]} or all")
+    rows = []
+    for name, args, wall_max, mem_max in chosen:
+        r = run_target(name, args, out)
+        r["met"] = r["rc"] == 0 and r["wall_s"] <= wall_max and (mem_max is None or r["max_rss_gb"] <= mem_max)
+        r["limits"] = {"wall_s": wall_max, "max_rss_gb": mem_max}
+        rows.append(r)
+        mem = f", {r['max_rss_gb']:.2f} GB (limit {mem_max:g})" if mem_max else f", {r['max_rss_gb']:.2f} GB"
+        print(f"{name}: {r['wall_s']:.1f} s wall (limit {wall_max:g}), {r['cpu_s']:.1f} s CPU "
+              f"({r['cpu_s'] / max(r['wall_s'], 1e-9):.0%} of one core){mem}: "
+              f"{'met' if r['met'] else 'MISSED'}" + ("" if r["rc"] == 0 else f" (exit {r['rc']}: {r['last_line']})"))
+    print(json.dumps({"targets": rows}))
+    return 0 if all(r["met"] for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.sim.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", metavar="NAMES", help="run the scale targets (all, or names from TARGETS)")
+    ap.add_argument("--out", type=Path, default=Path("outputs/sim-bench"), help="where --targets' runs write")
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--rate-per-gpu", type=float, default=12.0)
@@ -33,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", default=["model=llama-3-8b", "hardware=h200", "workload=code",
                                                      "scheduler.token_budget=512", "scheduler.max_batch=256"])
     args = ap.parse_args(argv)
+    if args.targets:
+        return targets(args.targets, args.out)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["compare=null", f"cluster.gpus={args.gpus}", *args.overrides])
     results = []
@@ -43,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=False)
         costs = costs_for(spec)
         t1 = time.perf_counter()
-        sim = simulate(spec, arrivals, costs, record_steps=args.write is not None, keep_tokens=args.write is not None)
+        write = args.write is not None
+        sim = simulate(spec, arrivals, costs, record_steps=write, keep_tokens=write and args.requests <= TOKEN_TIMES_MAX,
+                       pool_gaps=write)
         t2 = time.perf_counter()
         steps = sum(w.engine.num_steps for w in sim.workers)
         done = sum(r.status == "ok" for r in sim.records.values())

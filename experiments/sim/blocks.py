@@ -3,10 +3,12 @@
 A real engine's pool is a list of every block's reference count and a free list of every block. A
 simulated H200 serving Llama-3-8B has about 57,000 blocks, so a thousand of them would hold 57 million
 list entries before serving anything. `LazyBlockManager` inherits can_allocate, allocate and free
-unchanged and gives them storage that holds only the blocks ever handed out: the free list is the
-blocks returned so far (in the order they came back) behind the blocks never used (in id order),
-which is the order the real deque(range(num_blocks)) pops them in, so block ids come out the same;
-reference counts are kept for handed-out blocks only.
+(as the real one decides them) and gives them storage that holds only the blocks ever handed out:
+the free list is the blocks returned so far (in the order they came back) behind the blocks never
+used (in id order), which is the order the real deque(range(num_blocks)) pops them in, so block ids
+come out the same; reference counts are kept for handed-out blocks only. `allocate` and `free` do
+what BlockManager's do with the never-used blocks taken as one range (a prompt takes a hundred blocks
+at once in a large simulation).
 """
 from __future__ import annotations
 
@@ -57,3 +59,39 @@ class LazyBlockManager(BlockManager):
         assert len(set(free)) == len(free), "a block is on the free list twice"
         unreferenced = {b for b, n in enumerate(self.ref_counts) if n == 0} | set(range(self._free.fresh, self.num_blocks))
         assert set(free) == unreferenced, f"free list and ref counts disagree: {sorted(set(free) ^ unreferenced)[:8]}"
+
+    def allocate(self, block_ids: list[int], num_tokens: int) -> None:
+        """BlockManager.allocate: grow the table to cover `num_tokens`, never-used blocks first, in id order."""
+        need = -(-num_tokens // self.block_size) - len(block_ids)
+        if need <= 0:
+            return
+        free = self._free
+        if need > len(free):
+            raise RuntimeError(f"asked for {need} KV blocks with {len(free)} free")
+        k = min(need, free.num_blocks - free.fresh)
+        if k:
+            block_ids.extend(range(free.fresh, free.fresh + k))
+            self.ref_counts.extend([1] * k)
+            free.fresh += k
+        refs, returned = self.ref_counts, free.returned
+        for _ in range(need - k):
+            block = returned.popleft()
+            assert refs[block] == 0, f"free block {block} has references"
+            refs[block] = 1
+            block_ids.append(block)
+
+    def free(self, block_ids: list[int]) -> None:
+        """BlockManager.free: one reference fewer to each block; blocks at zero go back to the free list."""
+        refs, returned = self.ref_counts, self._free.returned
+        for block in block_ids:
+            n = refs[block]
+            assert n > 0, f"double free of block {block}"
+            refs[block] = n - 1
+            if n == 1:
+                returned.append(block)
+
+    def grow(self, tables: list[list[int]], targets: list[int]) -> None:
+        """allocate(table, target) for each pair, in order, all at once: the simulator's decode runs grow
+        hundreds of thousands of tables by a block or two; the caller has checked the blocks are free."""
+        for ids, n in zip(tables, targets):
+            self.allocate(ids, n)

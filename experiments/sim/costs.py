@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.sim.stepmodel import check_finite, model_from_dict, roofline_model
+from experiments.sim.stepmodel import FACTORS, check_finite, model_from_dict, roofline_model
 from experiments.sim.transfer import TransferModel
 from workers.config import ModelConfig
 
@@ -35,11 +35,7 @@ class Costs:
     import_: tuple = (0.0, 0.0)
     source: str = "hand-made"
     detail: dict = field(default_factory=dict)     # the profile's conditions (machine load, fit errors)
-    noise: dict | None = None                      # quantile tables of serving noise (experiments/sim/noise.py)
     role_step: dict = field(default_factory=dict)  # a step model for one role instead of `step` (the planner's probes)
-    handoff_busy: float = 1.0                      # a KV send goes this much slower while its sender steps
-    speed: dict = field(default_factory=dict)      # {"decode": x, "prefill": y}: steps take x, y times longer
-                                                   # (a run's speed probe / the calibration's; none: 1.0)
 
     def step_for(self, role: str):
         return self.role_step.get(role, self.step)
@@ -54,30 +50,34 @@ class Costs:
         return self.transfer.get(kind) or self.transfer["local"]
 
 
+SERVING_KEYS = ("factors", "gap_s", "dispatch_s", "return_s", "handoff")   # what a calibration may set
+
+
 def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True,
-                 serving: dict | None = None) -> Costs:
+                 serving: dict | None = None, without: tuple = ()) -> Costs:
     """Costs of the machine a profile was measured on, with the transfer model of `backend` (the
-    calibration's handoff for it where it has one: serving_link); `calibrated=False` leaves out the
-    serving calibration (steps as measured in isolation, the bench's transfer); `serving` replaces the
-    profile's calibration (experiments/analysis/calibrate.py of another run)."""
+    calibration's handoff fit for it where it has one: serving_link); `calibrated=False` leaves out the
+    serving calibration (steps as measured in isolation, the bench's transfer, no message latency);
+    `serving` replaces the profile's calibration (experiments/analysis/calibrate.py of another run);
+    `without` names parts of the calibration to leave out (SERVING_KEYS, or one of the step factors
+    "decode", "prefill", "shared_host"): how validate weighs what each one earns (docs/simulator.md)."""
     path = Path(path)
     prof = json.loads(path.read_text())
     if prof.get("kind") != "pdlab-profile":
         raise ValueError(f"{path}: not a pdlab profile (no kind: pdlab-profile)")
+    for name in without:
+        if name not in SERVING_KEYS + FACTORS:
+            raise ValueError(f"without={name!r}: choose from {list(SERVING_KEYS + FACTORS)}")
     step = dict(prof["step_model"])
-    serving = (serving or prof.get("serving", {})) if calibrated else {}
-    if serving:
-        step["slowdown"] = serving.get("slowdown")
-        step["gap_coef"] = [serving.get("gap_s", step["gap_coef"][0]), step["gap_coef"][1]]
-        step["gap_quiet"], step["after_idle"] = serving.get("gap_quiet_s"), serving.get("after_idle")
-        for key in ("after_prefill", "after_prefill_by_size", "contention", "kv_transfer", "by_place", "prefill_size",
-                    "after_prompt"):
-            step[key] = serving.get(key)
+    serving = dict((serving or prof.get("serving") or {}) if calibrated else {})
+    for name in without:
+        serving.pop(name, None)
+    factors = {k: v for k, v in (serving.get("factors") or {}).items() if k not in without}
+    step["factors"] = factors
+    if serving.get("gap_s") is not None:
+        step["gap_coef"] = [serving["gap_s"], step["gap_coef"][1]]
     model = model_from_dict(step)
     check_finite(model)
-    # a role whose wake from idle the calibration measured apart gets a model of its own
-    role_step = {role: model_from_dict(step | {"after_idle": (step.get("after_idle") or {}) | curves})
-                 for role, curves in (serving.get("after_idle_by_role") or {}).items()}
     transfers = prof.get("transfer", {})
     t = transfers.get(backend) or next(iter(transfers.values()), None)
     if t is None:
@@ -87,19 +87,14 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
     served = (serving.get("handoff") or {}).get(backend)
     link = (serving_link(served, export, backend) if served else
             TransferModel(t["latency_s"], t["bandwidth"], f"{backend} (profile)"))
-    noise = serving.get("noise")
-    if noise is not None and serving.get("drift"):
-        noise = noise | {"drift": serving["drift"]}
-    if served and noise is not None and served.get("noise"):
-        noise = noise | {"handoff": served["noise"]}
+    left_out = f" without {', '.join(without)}" if without else ""
     return Costs(model, {"local": link}, serving.get("dispatch_s", 0.0), serving.get("return_s", 0.0),
                  export, tuple(handoff.get("import", (0.0, 0.0))),
-                 f"profile {path.parent.name}/{path.name}" + ("" if serving else " (uncalibrated)"),
+                 f"profile {path.parent.name}/{path.name}" + ("" if serving else " (uncalibrated)") + left_out,
                  {"hardware": prof.get("hardware"), "dtype": prof.get("dtype"), "threads": prof.get("threads"),
                   "machine": prof.get("machine"), "fit_error": prof.get("fit_error"), "path": str(path),
-                  "calibrated": bool(serving), "calibration_other_cores": serving.get("other_cores"),
-                  "calibration_speed": serving.get("speed")},
-                 noise, role_step, (served or {}).get("busy", 1.0))
+                  "calibrated": bool(serving), "factors": factors, "without": list(without),
+                  "calibration_other_cores": serving.get("other_cores")})
 
 
 def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:

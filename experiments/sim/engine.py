@@ -24,13 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from experiments.sim.blocks import LazyBlockManager
-from workers.config import EngineConfig, blocks_for
+from workers.config import EngineConfig
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
-from experiments.sim.stepmodel import beside_factor, echo_factors, features
+from experiments.sim.stepmodel import features
 
-NEVER = 1 << 30             # since_prefill of an engine that has run no step with prompt tokens
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
 
 
@@ -65,6 +64,11 @@ def sim_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, hand
                       max_tokens=max_tokens, hand_off=hand_off)
 
 
+def _blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_size: int) -> int:
+    """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
+    return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
+
+
 @dataclass
 class StepDone:
     """What one step did: tokens made (request, finish reason or None), requests preempted."""
@@ -91,18 +95,15 @@ class DecodeRun:
 
 
 class SimEngine:
-    def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True, noise=None):
+    def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True):
         self.cfg = cfg
         self.model = model
-        self.noise = noise if noise is not None and noise.on else None
         self.blocks = LazyBlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
-        self.since_prefill = NEVER             # decode-only steps since the last step with prompt tokens
-        self.last_prompt = 0                   # that step's prompt tokens
-        self.place = "0"                       # its order among its host's workers (the model's by_place key)
-        self.speed: dict = {}                  # {kind: x}: the machine's speed, steps take x times longer
+        self._ahead = None                    # (requests, computed, blocks) of the run run_length found
+        self._shared = getattr(model, "shared_host", None) or 1.0
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -134,64 +135,23 @@ class SimEngine:
         return self.scheduler.has_work()
 
     # -- one scheduled step ----------------------------------------------------------------------
-    def schedule(self, idle_s: float | None = None, beside: str | None = None, in_transfer: bool = False,
-                 at: float = 0.0) -> tuple[SchedulerOutput, float]:
-        """The real scheduler's next step and its modelled duration (0.0 for an empty step), times the
-        model's serving factors for the worker's state: `after_idle` (it starts the worker after
-        `idle_s` seconds idle; None: it was busy), `beside` (what another worker of its host with work does at its start,
-        "decode" or "prefill"; None: none has work; the simulator rescales the step if that changes before
-        it ends),
-        `in_transfer` (a KV transfer from or to it is in flight) and, for a decode-only step,
-        `after_prefill` (by the decode-only steps since the worker's last step with prompt tokens); its
-        noise is drawn for a step starting `at`."""
+    def schedule(self, shared: bool = False) -> tuple[SchedulerOutput, float]:
+        """The real scheduler's next step and its modelled duration (0.0 for an empty step); `shared`:
+        another worker of its host has work at the step's start (the simulator rescales the step if
+        that changes before it ends)."""
         sched = self.scheduler.schedule()
         if not sched:
             return sched, 0.0
-        d = self.model.time(features(sched))
-        kind = "prefill" if sched.prefills else "decode"
-        if idle_s is not None and hasattr(self.model, "idle_factor"):
-            d *= self.model.idle_factor(kind, idle_s)
-        d *= self.contention(kind, beside) * self.own_factor(kind)
-        if kind == "prefill" and idle_s is None and self.since_prefill == 0:     # right after a prompt step
-            d *= getattr(self.model, "after_prompt", None) or 1.0
-        if in_transfer:
-            d *= self.transfer_factor(kind)
-        echo = self._echo()
-        if kind == "decode" and echo and self.since_prefill < len(echo):
-            d *= echo[self.since_prefill]
-        if self.noise is not None:
-            d *= self.noise.step_factor(kind, self, at)
-        return sched, d
+        return sched, self.model.time(features(sched)) * self.contention(shared)
 
-    def _echo(self) -> list:
-        m = self.model
-        return echo_factors(getattr(m, "after_prefill", None), getattr(m, "after_prefill_by_size", None),
-                            self.last_prompt)
+    def contention(self, shared: bool) -> float:
+        """How much slower a step's work goes while another worker of its host has work (`shared`):
+        the model's shared_host factor, 1.0 where it has none."""
+        return self._shared if shared else 1.0
 
-    def contention(self, kind: str, beside: str | None) -> float:
-        """How much slower a step of `kind` works while another worker of its host has work and does
-        `beside` ("decode" or "prefill"; None: none has work, 1.0)."""
-        return beside_factor(getattr(self.model, "contention", None), kind, beside)
-
-    def own_factor(self, kind: str) -> float:
-        """How much longer a step of `kind` takes on this worker: at its place on its host (by_place),
-        at the machine's speed (`speed`); 1.0 for what is not measured."""
-        place = ((getattr(self.model, "by_place", None) or {}).get(kind) or {}).get(self.place, 1.0)
-        return float(place) * self.speed.get(kind, 1.0)
-
-    def transfer_factor(self, kind: str) -> float:
-        """How much longer a step of `kind` runs while a KV transfer from or to its worker is in flight."""
-        return (getattr(self.model, "kv_transfer", None) or {}).get(kind, 1.0)
-
-    def gap(self, num_seqs: int, quiet: bool = False) -> float:
-        """Host time after a step of `num_seqs` sequences (`quiet`: it made no token), before the next
-        step starts."""
-        g = self.model.gap(num_seqs, quiet)
-        if self.noise is not None:
-            kind = "gap_quiet" if quiet and "gap_quiet" in self.noise.tables else "gap"
-            base = self.model.gap(0, kind == "gap_quiet")
-            g += self.noise.latency(kind, base) - base
-        return g
+    def gap(self, num_seqs: int) -> float:
+        """Host time after a step of `num_seqs` sequences, before the next step starts."""
+        return self.model.gap(num_seqs)
 
     def finish(self, sched: SchedulerOutput, start: float, end: float) -> StepDone:
         """Post-process a step as Engine.step does: counters, first-scheduled times, tokens, endings."""
@@ -205,10 +165,6 @@ class SimEngine:
             if completes:
                 tokens.append((req, self._token(req, end)))
         self.num_steps += 1
-        if sched.prefills:
-            self.since_prefill, self.last_prompt = 0, sched.num_prefill_tokens
-        else:
-            self.since_prefill += 1
         return StepDone(tokens, list(sched.preempted))
 
     def _token(self, req: SimRequest, now: float) -> str | None:
@@ -228,6 +184,7 @@ class SimEngine:
     # -- runs of decode-only steps ---------------------------------------------------------------
     def run_length(self) -> int:
         """How many decode-only steps are certain from here (0: schedule the next step for real)."""
+        self._ahead = None
         if not self.fast_forward:
             return 0
         s, cfg = self.scheduler, self.cfg
@@ -236,21 +193,27 @@ class SimEngine:
         if b == 0 or b > cfg.token_budget:
             return 0
         k = 1 << 62
+        computed, held = [], []
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens < r.prompt_len:
+            c, n = r.num_computed_tokens, r.prompt_len
+            if n + r.num_out - c != 1 or c < n:
                 return 0       # (a lone last prompt token makes the first token: a step of its own)
             left = r.max_tokens - r.num_out
             if left < k:
                 k = left
+            computed.append(c)
+            held.append(len(r.block_ids))
         if s.waiting and not self._waiting_blocked(b):
             return 0
-        need = self._blocks_needed(k)
-        if need <= self.blocks.num_free:
+        computed, held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
+        self._ahead = (list(running), computed, held)       # what start_run reads, unchanged meanwhile
+        free, bs = self.blocks.num_free, self.blocks.block_size
+        if _blocks_needed(computed, held, k, bs) <= free:
             return k
         lo, hi = 0, k                          # the longest run whose new blocks are free
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._blocks_needed(mid) <= self.blocks.num_free:
+            if _blocks_needed(computed, held, mid, bs) <= free:
                 lo = mid
             else:
                 hi = mid - 1
@@ -269,37 +232,16 @@ class SimEngine:
             return False                     # it would run alone at the head of a step: not a run
         return not self.blocks.can_allocate(head.block_ids, head.num_computed_tokens + n)
 
-    def _blocks_needed(self, steps: int) -> int:
-        bs, need = self.blocks.block_size, 0
-        for r in self.scheduler.running:
-            need += max(0, blocks_for(r.num_computed_tokens + steps, bs) - len(r.block_ids))
-        return need
-
-    def start_run(self, start: float, k: int, idle_s: float | None = None, beside: str | None = None,
-                  transfer_until: float = 0.0) -> DecodeRun:
-        """k decode-only steps from `start`, with schedule()'s serving factors (`beside` holds for the
-        whole run: the simulator cuts it when that changes on the host; the steps that
-        start before `transfer_until` are in a KV transfer's window)."""
-        reqs = list(self.scheduler.running)
+    def start_run(self, start: float, k: int, shared: bool = False) -> DecodeRun:
+        """k decode-only steps from `start`, at schedule()'s contention (`shared` holds for the whole
+        run: the simulator cuts it when that changes on the host)."""
+        if self._ahead is None:
+            raise RuntimeError("start_run follows a run_length that found a run")
+        reqs, computed, blocks0 = self._ahead
+        self._ahead = None
         b = len(reqs)
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b)
-        blocks0 = np.fromiter((len(r.block_ids) for r in reqs), dtype=np.int64, count=b)
-        d = self.model.decode_run(b, int(computed.sum()), k)
-        if idle_s is not None and hasattr(self.model, "idle_factor"):
-            d[0] *= self.model.idle_factor("decode", idle_s)
-        d *= self.contention("decode", beside) * self.own_factor("decode")
-        echo, k0 = self._echo(), self.since_prefill
-        if echo and k0 < len(echo):
-            j = min(k, len(echo) - k0)
-            d[:j] *= np.asarray(echo[k0:k0 + j])
-        if transfer_until > start:
-            j = int(np.searchsorted(np.cumsum(d), transfer_until - start, side="left")) + 1
-            d[:j] *= self.transfer_factor("decode")
+        d = self.model.decode_run(b, int(computed.sum()), k) * self.contention(shared)
         gap = np.full(k, self.model.gap(b))
-        if self.noise is not None:
-            starts = start + np.concatenate(([0.0], np.cumsum(d + gap)[:-1]))     # as if without noise
-            d = d * self.noise.step_factors("decode", self, starts)
-            gap += self.noise.latencies("gap", self.model.gap(0), k) - self.model.gap(0)
         gap[0] = 0.0                                       # the first step starts at `start`
         ends = start + np.cumsum(d + gap)
         return DecodeRun(reqs, ends - d, ends, computed, blocks0, self.blocks.num_used, k)
@@ -317,17 +259,27 @@ class SimEngine:
             raise ValueError(f"a run of {run.finishing} steps cannot advance {m}")
         last = float(run.ends[m - 1])
         out = []
-        alloc = self.blocks.allocate
         first = float(run.starts[0])
-        for r, c in zip(run.reqs, run.computed.tolist()):
-            r.num_computed_tokens = c + m
+        bs = self.blocks.block_size
+        after = run.computed + m
+        grow = np.flatnonzero(-(-after // bs) > run.blocks0)       # requests that need a new block
+        reqs = run.reqs
+        if len(grow) > self.blocks.num_free:
+            raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
+        self.blocks.grow([reqs[i].block_ids for i in grow.tolist()], after[grow].tolist())
+        token = self._token
+        for r, c in zip(reqs, after.tolist()):
+            r.num_computed_tokens = c
             if r.first_scheduled_time is None:       # an imported request's first step here
                 r.first_scheduled_time = first
-            alloc(r.block_ids, c + m)
-            r.num_out += m - 1
-            out.append((r, self._token(r, last)))      # the last step's token, and the request's end
+            n = r.num_out + m
+            if n < r.max_tokens and not r.hand_off:
+                r.num_out = n                        # it goes on
+                out.append((r, None))
+            else:
+                r.num_out = n - 1
+                out.append((r, token(r, last)))      # the last step's token, and the request's end
         self.num_steps += m
-        self.since_prefill += m
         return out
 
     def run_steps(self, run: DecodeRun, m: int, num_waiting: int) -> dict:

@@ -7,6 +7,11 @@ times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it 
 `Attempt` is router/journey.py's Journey with the simulator's own fields. `request_row` writes a row exactly as
 experiments/serving/serve.py's request_row does; `step_rows` expands every worker's steps, decode runs
 included, into steps.jsonl rows.
+
+Without every token's time (`Record.keep` False: large runs, the planner), a record keeps its first
+and last times and its count, and `Gaps` (when given) pools the inter-token gaps the metrics need: a
+decode run's gaps once for all the requests it advanced (their owners kept, so only completed
+requests count), each request's gap into a run or a scheduled step one by one.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ class Record(JourneyRecord):
     num_out: int = 0
     first_time: float | None = None
     last_time: float | None = None
+    client_first: float | None = None
+    client_last: float | None = None
+    index: int = 0                                 # its place in the run's arrivals (Gaps' owner)
 
     def add_times(self, t, at, n: int) -> None:
         """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""
@@ -37,19 +45,78 @@ class Record(JourneyRecord):
         if self.keep:
             self.times.append(t)
             self.client.append(at)
-        first = t if isinstance(t, float) else float(t[0])
+        if isinstance(t, float):
+            first, last, cfirst, clast = t, t, at, at
+        else:
+            first, last, cfirst, clast = float(t[0]), float(t[-1]), float(at[0]), float(at[-1])
         if self.first_time is None:
-            self.first_time = first
-        self.last_time = t if isinstance(t, float) else float(t[-1])
+            self.first_time, self.client_first = first, cfirst
+        elif self.sink is not None:
+            self.sink.one(self.index, first - self.last_time, cfirst - self.client_last)
+        self.last_time, self.client_last = last, clast
         self.num_out += n
 
-    keep = True                                    # a class default; the planner switches it off
+    keep = True                                    # a class default; large runs and the planner switch it off
+    sink = None                                    # a Gaps pooling the gaps when tokens are not kept
 
     def token_times(self) -> np.ndarray:
         return _joined(self.times)
 
     def client_times(self) -> np.ndarray:
         return _joined(self.client)
+
+
+class Gaps:
+    """Inter-token gaps pooled over requests, made (steps' ends) and as the router got them."""
+
+    def __init__(self):
+        self.owner: list[int] = []
+        self.made: list[float] = []
+        self.got: list[float] = []
+        self.runs: list[tuple] = []            # (owners [b], made gaps [m - 1], got gaps [m - 1])
+
+    def one(self, owner: int, made: float, got: float) -> None:
+        self.owner.append(owner)
+        self.made.append(made)
+        self.got.append(got)
+
+    def run(self, owners: np.ndarray, ends: np.ndarray, at: np.ndarray) -> None:
+        """A decode run's steps ending at `ends` (reaching the router at `at`) advanced these owners."""
+        if len(ends) > 1 and len(owners):
+            self.runs.append((owners, np.diff(ends), np.diff(at)))
+
+    def pooled(self, ok: np.ndarray, which: str = "made") -> tuple[np.ndarray, np.ndarray]:
+        """(gaps, weights) of the requests where `ok` (a bool per owner) holds."""
+        k = 1 if which == "made" else 2
+        owner = np.asarray(self.owner, dtype=np.int64)
+        vals = [np.asarray(self.made if k == 1 else self.got)[ok[owner]]]
+        weights = [np.ones(len(vals[0]))]
+        for run in self.runs:
+            w = int(ok[run[0]].sum())
+            if w:
+                vals.append(run[k])
+                weights.append(np.full(len(run[k]), float(w)))
+        return np.concatenate(vals), np.concatenate(weights)
+
+
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:
+    """metrics.percentiles of the sample in which each value appears `weights` times (whole numbers):
+    the same mean and linearly interpolated p50, p90, p99, without expanding it."""
+    from experiments.serving.metrics import PERCENTILES
+
+    n = float(weights.sum())
+    if n == 0:
+        return {"mean": None, **{k: None for k in PERCENTILES}}
+    order = np.argsort(values, kind="stable")
+    v, c = values[order], np.cumsum(weights[order])
+    out = {"mean": float((values * weights).sum() / n)}
+    for key, q in PERCENTILES.items():
+        pos = q / 100 * (n - 1)
+        lo = int(np.floor(pos))
+        a = v[np.searchsorted(c, lo + 1)]                 # the value at rank lo (0-based)
+        b = v[min(np.searchsorted(c, lo + 2), len(v) - 1)]
+        out[key] = float(a + (b - a) * (pos - lo))
+    return out
 
 
 def _joined(times: list) -> np.ndarray:

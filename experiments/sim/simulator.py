@@ -31,8 +31,7 @@ from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
 from experiments.sim.handoff import KVTransfers
-from experiments.sim.noise import Noise
-from experiments.sim.records import Attempt, Record
+from experiments.sim.records import Attempt, Gaps, Record
 from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
@@ -63,8 +62,7 @@ class SimConfig:
     fast_forward: bool = True             # advance runs of decode-only steps in one event
     record_steps: bool = True
     keep_tokens: bool = True              # every token's time (requests.jsonl); False: first, last, count
-    noise: bool = True                    # draw serving noise from the costs' tables (when they have them)
-    seed: int = 0                         # of the noise draws
+    pool_gaps: bool = False               # without every token's time, pool the inter-token gaps (Gaps)
 
     def __post_init__(self):
         if self.stream not in STREAMS:
@@ -90,9 +88,7 @@ class Simulator(KVTransfers, WorkerSteps):
         self.heap: list = []
         self._seq = itertools.count()
         self.now = 0.0
-        self.noise = Noise(costs.noise if cfg.noise else None, cfg.seed, (costs.noise or {}).get("drift"))
         counts: dict[str, int] = {}
-        places: dict[int, int] = {}             # workers placed on each node so far
         self.workers: list[SimWorker] = []
         nodes = nodes_of(cfg.roles, cfg.gpus_per_node, cfg.placement)
         for rank, role in enumerate(cfg.roles):
@@ -102,13 +98,10 @@ class Simulator(KVTransfers, WorkerSteps):
             info = {"num_kv_blocks": blocks, "block_size": ecfg.block_size, "host": f"node{nodes[rank]}",
                     "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
                     "max_model_len": cfg.max_model_len}
-            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, self.noise)
-            engine.place = str(places.get(nodes[rank], 0))
-            engine.speed = costs.speed
-            places[nodes[rank]] = places.get(nodes[rank], 0) + 1
+            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward)
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
-        self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "contention", None) for w in self.workers))
+        self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "shared_host", None) for w in self.workers))
         self.loads = {w.rank: WorkerLoad(w.name, w.handle.info["num_kv_blocks"] * w.handle.info["block_size"])
                       for w in self.workers}
         self.index = LoadIndex(self.handles, self.loads)    # None: plan() looks at every worker
@@ -124,6 +117,8 @@ class Simulator(KVTransfers, WorkerSteps):
         self.notes: list[str] = []
         self.num_events = 0
         Record.keep = cfg.keep_tokens
+        self.gaps = Gaps() if cfg.pool_gaps and not cfg.keep_tokens else None
+        Record.sink = self.gaps
 
     # -- the loop ---------------------------------------------------------------------------------
     def push(self, t: float, fn, *args) -> None:
@@ -140,6 +135,8 @@ class Simulator(KVTransfers, WorkerSteps):
             self.records[rec.id] = rec
             recs.append(rec)
         recs.sort(key=lambda r: r.arrival_s)           # stable: equal times keep their order
+        for i, rec in enumerate(recs):
+            rec.index = i
         self._pending = iter(recs)                     # each arrival queues the next: the heap holds one
         self._next_arrival()
         f = self.cfg.fault
@@ -211,7 +208,7 @@ class Simulator(KVTransfers, WorkerSteps):
             rec.injected_fault = rec.injected_fault or att.drop_transfer
         att.preq = sim_request(f"{rec.id}#{rec.attempts}", n, left, self.now, hand_off=att.kind == "handoff")
         att.preq.attempt = att
-        self.push(self.now + self.noise.latency("dispatch", self.costs.dispatch_s), self._deliver, p,
+        self.push(self.now + self.costs.dispatch_s, self._deliver, p,
                   ("submit", att.preq))
 
     def _refresh_kv(self) -> None:

@@ -16,12 +16,11 @@ host time between two steps of one worker (scheduling, post-processing, the work
 - `LinearStepModel`, fitted to a profile of the device at hand (experiments/analysis/profile.py):
   t = c . [1, num_decode, decode_context, prefill_tokens, num_prefill, chunk_pairs, context_pairs],
   every coefficient >= 0, chunk_pairs = prefill_pairs - context_pairs (the causal pairs within the
-  chunk). The two kinds of attention pair cost differently: in the profile here a pair against the
-  cache cost 0.66x one within the chunk, and one coefficient for both (profiles before this split,
-  still read: terms ending in prefill_pairs) priced a 64-token chunk from token 768 13-18% over its
-  measured time, as it was fitted mostly to long chunks from token 0. A calibrated profile adds
-  `slowdown`, how much longer a step of that predicted time took while serving than in isolation
-  (experiments/analysis/calibrate.py), interpolated in log time.
+  chunk; a pair against the cache costs less than one within the chunk, so they are priced apart;
+  profiles with one pair price, terms ending in prefill_pairs, are still read). A calibrated profile
+  adds the serving factors (docs/simulator.md): `decode` and `prefill`, how much longer a step of
+  that kind takes while serving than in isolation, and `shared_host`, how much longer its work goes
+  while another worker of its host has work (the simulator applies it for that share of the step).
 - `RooflineStepModel`, for a datasheet GPU: t = overhead + max(flops / (peak * compute_eff),
   bytes / (mem_bw * mem_eff)), with FLOPs and bytes counted as experiments/analysis/roofline.py counts
   them (its docstring), generalised to chunks that start past token 0 (they read the KV before them).
@@ -32,7 +31,6 @@ such runs in one event).
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -74,39 +72,22 @@ def chunk_features(num_decode: int, decode_context: int, chunks: list[tuple[int,
             num_decode + sum(1 for *_, e in chunks if e), sum(n * s for n, s, _ in chunks))
 
 
+FACTORS = ("decode", "prefill", "shared_host")     # the serving factors a calibration may fit
+
+
 @dataclass
 class LinearStepModel:
-    """t = scale * (c0 + c1 num_decode + c2 decode_context) + prefill_scale * (c3 prefill_tokens +
-    c4 num_prefill + c5 chunk_pairs + c6 context_pairs) in seconds, coef = c0..c6 (`terms`: LINEAR_TERMS;
-    ONE_PAIR_TERMS: c5 prefill_pairs, an older profile's); gap = gap_coef[0] + gap_coef[1] * sequences
-    in the step. The scales are a profile's serving calibration (1.0 without)."""
+    """t = factor[kind] * (c0 + c1 num_decode + c2 decode_context + c3 prefill_tokens + c4 num_prefill +
+    c5 chunk_pairs + c6 context_pairs) in seconds, coef = c0..c6 (`terms`: LINEAR_TERMS; ONE_PAIR_TERMS:
+    c5 prefill_pairs, an older profile's), kind "prefill" for a step with prompt tokens, else "decode";
+    gap = gap_coef[0] + gap_coef[1] * sequences in the step. `factors`: a profile's serving calibration,
+    {"decode": x, "prefill": y, "shared_host": z}; each one left out is 1.0 (shared_host: not modelled)."""
 
     coef: list[float]
     gap_coef: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    scale: float = 1.0
-    prefill_scale: float | None = None     # None: the same as `scale`
+    factors: dict = field(default_factory=dict)
     name: str = "profile"
-    slowdown: dict | None = None           # {"pred_s": [...], "ratio": [...]}: serving / isolated, by step time
     terms: tuple | None = None             # None: LINEAR_TERMS, or ONE_PAIR_TERMS for six coefficients
-    gap_quiet: float | None = None         # the gap after a step that made no token (None: as any other)
-    after_idle: dict | None = None         # {"decode": x, "prefill": y}: a step that starts the worker from
-                                           # idle takes x (decode-only) or y (with prompt tokens) times longer;
-                                           # each a number or {"idle_s": [...], "ratio": [...]} (curve_at)
-    after_prefill: list | None = None      # [x0, x1, ...]: the decode-only step that follows k others since the
-                                           # worker's last step with prompt tokens takes x_k times longer
-    contention: dict | None = None         # {"decode": x, "prefill": y}: while another worker of its host
-                                           # has work, a step's work goes x or y times slower; each a number
-                                           # or {"decode": .., "prefill": ..} by what that worker does (beside)
-    kv_transfer: dict | None = None        # the same, for a step that starts while a KV transfer from or to
-                                           # its worker is in flight (the worker's threads send or receive it)
-    after_prefill_by_size: list | None = None   # after_prefill by that step's prompt tokens (echo_factors)
-    by_place: dict | None = None           # {"decode": {"0": x, "1": y}, "prefill": {...}}: a step of the
-                                           # worker at that place on its host (its order among the host's
-                                           # workers, the order their cores are handed out) takes x, y longer
-    prefill_size: dict | None = None       # {"pred_s": [...], "ratio": [...]}: a step with prompt tokens takes
-                                           # that much longer, by its predicted time (curve_at)
-    after_prompt: float | None = None      # a step with prompt tokens right after the worker's last step with
-                                           # some (not from idle) takes that much longer (a warm cache: under 1)
 
     kind = "linear"
 
@@ -117,53 +98,33 @@ class LinearStepModel:
         if len(self.coef) != len(self.terms) or min(self.coef) < 0:
             raise ValueError(f"coef must be {len(self.terms)} non-negative numbers ({', '.join(self.terms)}), "
                              f"got {self.coef}")
-        ps = self.scale if self.prefill_scale is None else self.prefill_scale
-        coef = list(self.coef) if len(self.coef) == 7 else list(self.coef) + [self.coef[5]]   # one pair price
-        self._c = [x * self.scale for x in coef[:3]] + [x * ps for x in coef[3:]]
+        self.factors = {k: float(v) for k, v in (self.factors or {}).items() if v is not None}
+        unknown = sorted(set(self.factors) - set(FACTORS))
+        if unknown:
+            raise ValueError(f"factors.{unknown[0]}: unknown serving factor; choose from {list(FACTORS)}")
+        bad = [k for k, v in self.factors.items() if not (v > 0 and math.isfinite(v))]
+        if bad:
+            raise ValueError(f"factors.{bad[0]}={self.factors[bad[0]]} must be a positive number")
+        self._c = list(self.coef) if len(self.coef) == 7 else list(self.coef) + [self.coef[5]]   # one pair price
         self._g0, self._g1 = self.gap_coef
-        self._slow = None
-        if self.slowdown:
-            xs, ys = np.log(np.asarray(self.slowdown["pred_s"], dtype=float)), np.asarray(self.slowdown["ratio"])
-            self._slow = (xs.tolist(), ys.tolist(), xs, ys)
-        self._size = None
-        if self.prefill_size:
-            self._size = (np.log(np.asarray(self.prefill_size["pred_s"], dtype=float)).tolist(),
-                          list(self.prefill_size["ratio"]))
-
-    def _slowed(self, t: float) -> float:
-        xs, ys, _, _ = self._slow
-        return t * _at(xs, ys, t)
+        self._kd, self._kp = self.factors.get("decode", 1.0), self.factors.get("prefill", 1.0)
+        self.shared_host = self.factors.get("shared_host")
 
     def time(self, f: tuple) -> float:
         c = self._c
         t = c[0] + c[1] * f[0] + c[2] * f[1] + c[3] * f[2] + c[4] * f[3] + c[5] * (f[5] - f[7]) + c[6] * f[7]
-        out = t if self._slow is None else self._slowed(t)
-        return out * _at(*self._size, t) if self._size is not None and f[2] else out
+        return t * (self._kp if f[2] else self._kd)
 
-    def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
-        """The after_idle factor of a step of `kind` after `idle_s` seconds idle."""
-        return curve_at((self.after_idle or {}).get(kind, 1.0), idle_s)
-
-    def gap(self, num_seqs: int, quiet: bool = False) -> float:
-        if quiet and self.gap_quiet is not None:
-            return self.gap_quiet
+    def gap(self, num_seqs: int) -> float:
         return self._g0 + self._g1 * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
         c = self._c
-        t = c[0] + c[1] * b + c[2] * (context + b * np.arange(k, dtype=np.float64))
-        if self._slow is None:
-            return t
-        _, _, xs, ys = self._slow
-        return t * np.interp(np.log(t), xs, ys)
+        return self._kd * (c[0] + c[1] * b + c[2] * (context + b * np.arange(k, dtype=np.float64)))
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "terms": list(self.terms), "coef": list(self.coef),
-                "gap_coef": list(self.gap_coef), "scale": self.scale, "prefill_scale": self.prefill_scale,
-                "slowdown": self.slowdown, "gap_quiet": self.gap_quiet, "after_idle": self.after_idle,
-                "after_prefill": self.after_prefill, "contention": self.contention,
-                "kv_transfer": self.kv_transfer, "after_prefill_by_size": self.after_prefill_by_size,
-                "by_place": self.by_place, "prefill_size": self.prefill_size, "after_prompt": self.after_prompt}
+                "gap_coef": list(self.gap_coef), "factors": dict(self.factors)}
 
 
 # Efficiency factors of the roofline model (fractions of datasheet peaks a serving engine reaches):
@@ -191,11 +152,7 @@ class RooflineStepModel:
     gap_coef: tuple = GAP_COEF
 
     kind = "roofline"
-    after_prefill = after_prefill_by_size = contention = kv_transfer = by_place = None    # a datasheet GPU: no serving calibration
-    after_prompt = None
-
-    def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
-        return 1.0
+    shared_host = None              # a datasheet GPU: no serving calibration
 
     def __post_init__(self):
         for key in ("compute_eff", "mem_eff"):
@@ -225,7 +182,7 @@ class RooflineStepModel:
         flops, nbytes = self._cost(f)
         return self.overhead_s + max(flops / self._peak, nbytes / self._bw)
 
-    def gap(self, num_seqs: int, quiet: bool = False) -> float:
+    def gap(self, num_seqs: int) -> float:
         return self.gap_coef[0] + self.gap_coef[1] * num_seqs
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
@@ -298,54 +255,11 @@ def relative_errors(predicted, measured) -> dict:
             "mean": float(rel.mean()), "num": int(a.size)}
 
 
-def echo_factors(pooled: list | None, by_size: list | None, prompt: int) -> list:
-    """The after_prefill factors after a step of `prompt` prompt tokens: those of the first size bin
-    ({"max_tokens": N or None, "factors": [...]}, in increasing N) that holds it, else the pooled ones."""
-    for b in by_size or ():
-        if b["max_tokens"] is None or prompt <= b["max_tokens"]:
-            return b["factors"]
-    return pooled or []
-
-
-def beside_factor(factors: dict | None, kind: str, beside: str | None) -> float:
-    """A step of `kind`'s factor from {kind: x} or {kind: {beside: x}} (contention: what another busy
-    worker of its host does, "decode" or "prefill"); 1.0 beside nothing (None) or where none is given."""
-    if not factors or beside is None:
-        return 1.0
-    x = factors.get(kind, 1.0)
-    return float(x.get(beside, 1.0)) if isinstance(x, dict) else float(x)
-
-
-def _at(log_xs: list, ys: list, t: float) -> float:
-    """A curve given at log x points read at t: linear in log t between them, flat beyond."""
-    x = math.log(t)
-    if x <= log_xs[0]:
-        return ys[0]
-    if x >= log_xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_right(log_xs, x)
-    w = (x - log_xs[i - 1]) / (log_xs[i] - log_xs[i - 1])
-    return ys[i - 1] + w * (ys[i] - ys[i - 1])
-
-
-def curve_at(factor, x: float) -> float:
-    """A factor that is a number, or a curve {"<x name>": xs, "ratio": ys} read at x: linear in log x
-    between its points, flat beyond them."""
-    if not isinstance(factor, dict):
-        return float(factor)
-    xs, ys = next(v for k, v in factor.items() if k != "ratio"), factor["ratio"]
-    return float(_at([math.log(v) for v in xs], list(ys), max(x, 1e-9)))
-
-
 def model_from_dict(d: dict, cfg: ModelConfig | None = None):
     """A step model from its to_dict() (a profile's "step_model" section)."""
     if d.get("kind") == "linear":
-        return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), float(d.get("scale", 1.0)),
-                               d.get("prefill_scale"), d.get("name", "profile"), d.get("slowdown"),
-                               d.get("terms"), d.get("gap_quiet"), d.get("after_idle"), d.get("after_prefill"),
-                               d.get("contention"), d.get("kv_transfer"),
-                               d.get("after_prefill_by_size"), d.get("by_place"), d.get("prefill_size"),
-                               d.get("after_prompt"))
+        return LinearStepModel(list(d["coef"]), list(d.get("gap_coef", [0.0, 0.0])), d.get("factors") or {},
+                               d.get("name", "profile"), d.get("terms"))
     if d.get("kind") == "roofline":
         if cfg is None:
             raise ValueError("a roofline step model needs the model config")

@@ -1,18 +1,19 @@
 """The simulator's workers: each one's step loop on the virtual clock.
 
 A part of experiments/sim/simulator.py's Simulator (a mixin: it uses the simulator's clock, event
-heap, costs, noise, host loads and the router side's token and failure handlers). A worker wakes to
+heap, costs, host loads and the router side's token and failure handlers). A worker wakes to
 its inbox (submitted requests, aborts, KV arrivals), imports the KV that fits, then either advances
 a run of identical decode-only steps in one event (SimEngine.start_run) or schedules one step with
 pdlab's Scheduler; a step's end hands its tokens to the router after the return latency and starts
-the KV sends of its finished prefills. When another worker of the host starts or stops working, a
-step in flight is rescaled to the new contention and a decode run is cut after its current step.
+the KV sends of its finished prefills. When another worker of the host starts or stops working (the
+shared_host factor), a step in flight is rescaled to the new rate and a decode run is cut after its
+current step.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from experiments.sim.records import Attempt
+from experiments.sim.records import Attempt, Record
 from experiments.sim.worker import SimWorker
 from workers.config import blocks_for
 
@@ -26,7 +27,7 @@ class WorkerSteps:
 
     def _wake(self, w: SimWorker) -> None:
         if w.state == "idle":
-            w.state, w.after_idle = "start", True
+            w.state = "start"
             self._busy(w, True)
             self.push(self.now + w.engine.gap(0), self._step_start, w, w.version)
         elif w.state == "run":
@@ -40,16 +41,15 @@ class WorkerSteps:
             w.version += 1
             self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
 
-    def _busy(self, w: SimWorker, busy: bool, prefill: bool = False) -> None:
-        """w gets work, starts a step (`prefill`: with prompt tokens) or goes idle. Each other busy
-        worker of the host whose contention that changes (HostLoad.beside) runs the rest of its step in
-        flight at the new rate (its remaining time scaled by new / old factor), and its decode run is
-        cut after that step, so the steps after it are timed in the new state."""
-        for o in self.hosts.mark(w, busy, prefill):
+    def _busy(self, w: SimWorker, busy: bool) -> None:
+        """w gets work or goes idle. Each other busy worker of the host whose sharing that changes
+        (HostLoad.shared) runs the rest of its step in flight at the new rate (its remaining time
+        scaled by new / old factor), and its decode run is cut after that step, so the steps after it
+        are timed in the new state."""
+        for o in self.hosts.mark(w, busy):
             if o.state not in ("run", "step"):
                 continue
-            kind = "prefill" if o.state == "step" and o.sched.prefills else "decode"
-            c = o.engine.contention(kind, self.hosts.beside(o))
+            c = o.engine.contention(self.hosts.shared(o))
             if c == o.step_c:
                 continue
             if o.state == "run":
@@ -96,10 +96,6 @@ class WorkerSteps:
             return
         t = self.now
         e = w.engine
-        # As calibrate reads a real worker's steps: a step that left nothing running or waiting in
-        # the scheduler starts the next one from idle, however soon that one comes (requests that
-        # arrived meanwhile sat in the worker's inbox, not in its scheduler).
-        w.after_idle = w.after_idle or not e.has_work()
         self._take_inbox(w)
         while w.arrivals and e.can_import(w.arrivals[0].prompt_len):
             att = w.arrivals.popleft()
@@ -112,28 +108,20 @@ class WorkerSteps:
             self._idle(w)
             return
         k = e.run_length()
-        idle_s, w.after_idle = (t - w.last_end if w.after_idle else None), False
-        beside = self.hosts.beside(w)
+        shared = self.hosts.shared(w)
+        w.step_c = e.contention(shared)
         if k >= 1:
-            run = e.start_run(t, k, idle_s, beside, w.transfer[1] if w.transfer[0] <= t else 0.0)
-            w.step_c = e.contention("decode", beside)
+            run = e.start_run(t, k, shared)
             w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
-            if w.sending:
-                self._sender_steps(w, t, float(run.ends[-1]))
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
-            self._busy(w, True, prefill=False)
             return
-        sched, d = e.schedule(idle_s, beside, w.transfer[0] <= t < w.transfer[1], t)
+        sched, d = e.schedule(shared)
         if not sched:
             self._idle(w)                           # nothing it can schedule until something changes
             return
         w.sched, w.step_start, w.step_end, w.state = sched, t, t + d, "step"
-        if w.sending:
-            self._sender_steps(w, t, t + d)
-        w.step_c = e.contention("prefill" if sched.prefills else "decode", beside)
         self.push(t + d, self._step_end, w, w.version)
-        self._busy(w, True, prefill=bool(sched.prefills))
 
     def _step_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -157,7 +145,7 @@ class WorkerSteps:
         for req, ready, last in exports:
             self._send_kv(w, req, ready, last)
         w.sched = None
-        self._next(w, t, len(sched.decodes) + len(sched.prefills), not done.tokens)
+        self._next(w, t, len(sched.decodes) + len(sched.prefills))
 
     def _run_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -168,42 +156,62 @@ class WorkerSteps:
         if entry is not None:
             entry["used"][-1] = w.engine.blocks.num_used
             entry["running_last"] = len(w.engine.scheduler.running)
-        at = self._deliveries(w, run.ends[:m])
+        ends = run.ends[:m]
+        at = self._deliveries(w, ends)
         end = w.last_end = float(run.ends[m - 1])
         b = len(run.reqs)
         self.loads[w.rank].kv_tokens += b * m - w.run_tokens
         w.run, w.run_tokens = None, 0
         self.in_run.discard(w)
+        keep, gaps = Record.keep, self.gaps
+        f0, fl, c0, cl = float(ends[0]), end, float(at[0]), float(at[-1])
+        owners, into, into_at, advanced = [], [], [], []
         for req, reason in out:
             att = req.attempt
             if att is None or not att.live:
                 continue
-            att.rec.add_times(run.ends[:m], at, m)
+            rec = att.rec
+            advanced.append(rec.index)
+            if keep:
+                rec.add_times(ends, at, m)
+            else:                                   # Record.add_times inlined: a million calls in a large run
+                if rec.first_time is None:
+                    rec.first_time, rec.client_first = f0, c0
+                elif gaps is not None:
+                    into.append(f0 - rec.last_time)
+                    into_at.append(c0 - rec.client_last)
+                    owners.append(rec.index)
+                rec.last_time, rec.client_last = fl, cl
+                rec.num_out += m
             att.num_tokens += m
             if att.kind == "handoff" and att.decode_start is None:
                 att.decode_start = req.first_scheduled_time
-                att.rec.handoff_s = att.decode_start - att.first_token_worker_time
+                rec.handoff_s = att.decode_start - att.first_token_worker_time
             if reason == "length":
-                att.rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+                rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
                 self._finish(att, reason)
+        if gaps is not None:
+            gaps.owner += owners
+            gaps.made += into
+            gaps.got += into_at
+            gaps.run(np.array(advanced, dtype=np.int64), ends, at)
         self._next(w, end, b)
 
     def _delivery(self, w: SimWorker, t: float) -> float:
         """When the router gets a step that left the worker at `t`: after the return latency, and not
         before the worker's previous step (one ordered stream per worker)."""
-        w.delivered = max(t + self.noise.latency("return", self.costs.return_s), w.delivered)
+        w.delivered = max(t + self.costs.return_s, w.delivered)
         return w.delivered
 
     def _deliveries(self, w: SimWorker, ends: np.ndarray) -> np.ndarray:
-        at = np.maximum.accumulate(np.maximum(ends + self.noise.latencies("return", self.costs.return_s, len(ends)),
-                                              w.delivered))
+        at = np.maximum(ends + self.costs.return_s, w.delivered)
         w.delivered = float(at[-1])
         return at
 
-    def _next(self, w: SimWorker, t: float, num_seqs: int, quiet: bool = False) -> None:
+    def _next(self, w: SimWorker, t: float, num_seqs: int) -> None:
         if w.engine.has_work() or w.inbox or w.arrivals:
             w.state = "start"
-            self.push(t + w.engine.gap(num_seqs, quiet), self._step_start, w, w.version)
+            self.push(t + w.engine.gap(num_seqs), self._step_start, w, w.version)
         else:
             self._idle(w)
 

@@ -68,26 +68,18 @@ class Links:
         self.ingress: dict[int, float] = {}
 
     def send(self, src: int, dst: int, nbytes: float, model: TransferModel, ready: float,
-             stream_start: float | None = None, last_part: float = 1.0, factor: float = 1.0) -> tuple[float, float]:
+             stream_start: float | None = None, last_part: float = 1.0) -> tuple[float, float]:
         """(start, done) of a transfer whose KV is complete at `ready`; with streaming, whose first part
-        may go at `stream_start` and whose last part (a `last_part` share of the bytes) is final at `ready`;
-        every wire time `factor` times the model's (a noise draw)."""
+        may go at `stream_start` and whose last part (a `last_part` share of the bytes) is final at `ready`."""
         if not 0 < last_part <= 1:
             raise ValueError(f"last_part={last_part} must be a share of the bytes in (0, 1]")
         free = max(self.egress.get(src, 0.0), self.ingress.get(dst, 0.0))
         if stream_start is None:
             start = max(ready, free)
-            done = start + model.seconds(nbytes) * factor
+            done = start + model.seconds(nbytes)
         else:
             start = max(stream_start, free)
-            done = max(start + model.seconds(nbytes) * factor,
-                       max(ready, free) + model.seconds(nbytes * last_part) * factor)
+            done = max(start + model.seconds(nbytes),
+                       max(ready, free) + model.seconds(nbytes * last_part))
         self.egress[src] = self.ingress[dst] = done
         return start, done
-
-    def moved(self, src: int, dst: int, old: float, new: float) -> None:
-        """A transfer src -> dst that was to end at `old` ends at `new`: the links it holds are held
-        that much longer (unless a later transfer already holds them)."""
-        for links, end in ((self.egress, src), (self.ingress, dst)):
-            if links.get(end) == old:
-                links[end] = new

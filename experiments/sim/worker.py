@@ -41,7 +41,6 @@ class SimWorker:
     node: int = 0
     record_steps: bool = True
     state: str = "idle"
-    after_idle: bool = True                # the next step starts it from idle (experiments/sim/stepmodel.py)
     version: int = 0                       # bumped to void queued events of a cut run
     inbox: list = field(default_factory=list)
     arrivals: deque = field(default_factory=deque)   # attempts whose KV is here, waiting for blocks
@@ -50,8 +49,6 @@ class SimWorker:
     step_end: float = 0.0
     step_c: float = 1.0                    # the contention factor its step in flight runs at now
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
-    transfer: tuple = (0.0, 0.0)           # (from, until): KV transfers from or to it in flight meanwhile
-    sending: list = field(default_factory=list)      # (attempt, start) of KV it sends, slowed while it steps
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
@@ -106,46 +103,33 @@ class SimWorker:
 
 
 class HostLoad:
-    """Which workers of each host have work (are not idle), and which of those are prefilling (their
-    latest step had prompt tokens; until their next one, the host gap included). While another worker
-    of its host has work, a step's work goes the step model's `contention` factor slower, by what that
-    worker does (`beside`: "prefill" if one of them prefills, else "decode"; on a CPU they share cores,
-    caches and memory bandwidth; decode steps ran slower beside decodes than beside a prefill, perhaps as
-    the router then has twice the tokens to post: not measured); the simulator rescales a step in flight
-    when that changes. `on` is
-    False when the model has no contention, and then nothing is tracked."""
+    """Which workers of each host have work (are not idle). While another worker of its host has work,
+    a step's work goes the step model's `shared_host` factor slower (on a CPU they share caches,
+    memory bandwidth and the router's cores); the simulator rescales a step in flight when that
+    changes. `on` is False when the model has no such factor, and then nothing is tracked."""
 
     def __init__(self, workers: list[SimWorker], on: bool):
         self.on = on
         self._busy: dict[int, set] = {w.node: set() for w in workers}
-        self._prefilling: dict[int, set] = {w.node: set() for w in workers}
 
-    def beside(self, w: SimWorker) -> str | None:
-        """What the other workers of w's host with work do: "prefill", "decode", or None (none has work)."""
+    def shared(self, w: SimWorker) -> bool:
+        """Whether another worker of w's host has work."""
         if not self.on:
-            return None
-        p = self._prefilling[w.node]
-        if len(p) > (w in p):
-            return "prefill"
+            return False
         b = self._busy[w.node]
-        return "decode" if len(b) > (w in b) else None
+        return len(b) > (w in b)
 
-    def mark(self, w: SimWorker, busy: bool, prefill: bool = False) -> list[SimWorker]:
-        """Mark w busy (its latest step prefilling or not) or idle; returns the host's other busy workers
-        whose `beside` that changes. Another worker o sees a change only where w's move empties or fills
-        a set less o (one that then holds one worker at most), so most moves on a busy host cost nothing."""
+    def mark(self, w: SimWorker, busy: bool) -> list[SimWorker]:
+        """Mark w busy or idle; returns the host's other busy workers for which `shared` changes: only
+        when the host goes from one busy worker to two or back, so most moves on a busy host cost nothing."""
         if not self.on:
             return []
-        b, p = self._busy[w.node], self._prefilling[w.node]
-        now_p = busy and prefill
-        moved = [s for s, now in ((b, busy), (p, now_p)) if (w in s) != now]
-        if not moved:
+        b = self._busy[w.node]
+        if (w in b) == busy:
             return []
-        felt = any(min(len(s), len(s) + (1 if w not in s else -1)) <= 1 for s in moved)
-        before = {o: self.beside(o) for o in b if o is not w} if felt else {}
+        others = [o for o in b if o is not w]
         (b.add if busy else b.discard)(w)
-        (p.add if now_p else p.discard)(w)
-        return [o for o, x in before.items() if self.beside(o) != x]
+        return others if len(others) == 1 else []
 
 
 def nodes_of(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
