@@ -141,3 +141,9 @@ def from_gpu(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | 
     costs.step, costs.source = step, step.name
     costs.detail = {"step_model": step.to_dict(), "costs_fallback": None}
     return costs
+
+
+if __name__ == "__main__":
+    # python -m experiments.sim.costs model=llama-3-8b hardware=h200: step times from each source side by side
+    from experiments.sim.cost_table import main
+    raise SystemExit(main())

@@ -274,15 +274,16 @@ def measured_tables(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_b
 
 
 def choose(cfg: ModelConfig, gpu: str, fallback, source: str = "auto", framework: str = "vllm",
-           dtype_bytes: int = 2, grid: Grid | None = None, tables=measured_tables):
+           dtype_bytes: int = 2, grid: Grid | None = None, tables=None):
     """(step model, why) for a datasheet GPU: MeasuredStepModel where the database prices `cfg` on `gpu`
-    and `source` allows it, else `fallback` (the roofline model) with the reason in `why`."""
+    and `source` allows it, else `fallback` (the roofline model) with the reason in `why`. `tables`: what
+    reads the database (default measured_tables; a fake one in tests)."""
     if source not in SOURCES:
         raise ValueError(f"hardware.costs={source!r}: choose one of {SOURCES}")
     if source == "roofline":
         return fallback, "hardware.costs=roofline"
     try:
-        return MeasuredStepModel(tables(cfg, gpu, framework, dtype_bytes, grid), fallback), None
+        return MeasuredStepModel((tables or measured_tables)(cfg, gpu, framework, dtype_bytes, grid), fallback), None
     except SourceUnavailable as e:
         if source == "aiconfigurator":
             raise ValueError(f"hardware.costs=aiconfigurator: {e}") from None
