@@ -145,3 +145,36 @@ def test_the_measured_h200_database():
     assert m.time(chunk_features(32, 32 * 1024, [])) * 1e3 == pytest.approx(6.3, abs=0.1)
     assert m.time(chunk_features(0, 0, [(2048, 0, True)])) * 1e3 == pytest.approx(43.4, abs=0.5)
     assert m.tables.fallback_points == 0 and math.isfinite(m.time(chunk_features(256, 256 * 8000, [])))
+
+
+def test_the_planner_refuses_a_tpot_no_decode_step_reaches():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.analysis.plan import Search
+    from experiments.config import ConfigError
+    from experiments.run import CONF_DIR
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("config", overrides=["compare=null", "backend=sim", "model=llama-3-8b", "hardware=h200",
+                                           "hardware.costs=roofline", "slo.tpot_ms=4.0"])
+    with pytest.raises(ConfigError, match=r"slo.tpot_ms=4 is below the fastest decode step here: 4\.6\d ms"):
+        Search(cfg, 10, 1, 0)
+    cfg.slo.tpot_ms = 6.0
+    assert Search(cfg, 10, 1, 0).num_sims == 0
+
+
+def test_the_peer_table_names_both_choices_and_why_one_is_missing(monkeypatch):
+    from experiments.analysis import peer
+
+    monkeypatch.setitem(sys.modules, "aiconfigurator.cli.api", None)
+    assert "not installed" in peer.peer_choice("x", 8, "h200_sxm", "vllm", 300, 250, 500, 50)["error"]
+    dis = {"seq_s_gpu": 45.3, "prefill_workers": 1, "prefill_tp": 1, "decode_workers": 1, "decode_tp": 1}
+    theirs = {"chosen": "agg", "agg": {"seq_s_gpu": 64.3, "tp": 1}, "agg_tp1": {"seq_s_gpu": 64.3}, "disagg": dis,
+              "disagg_tp1": None}
+    mine = {"choice": "disaggregated", "layout": "2p6d", "goodput_per_gpu": 27.0,
+            "best_by_mode": {"disaggregated": {"layout": "2p6d", "goodput_per_gpu": 27.0}}}
+    row = {"workload": "chat", "slo": "interactive", "isl": 300, "osl": 250, "ttft_ms": 500.0, "tpot_ms": 50.0,
+           "gpus": 8, "pdlab": mine}
+    text = peer.table([row | {"aiconfigurator": theirs}, row | {"aiconfigurator": {"error": "no peer"}}])
+    lines = text.splitlines()
+    assert len(lines) == 4 and "| disaggregated, 2p6d, 27 | - / 27 (2p6d) | colocated (agg) | 8 x TP1, 64.3 |" in lines[2]
+    assert "4p4d (4 x 1p1d), 45.3" in lines[2] and "not run: no peer" in lines[3]

@@ -39,7 +39,7 @@ def mean_lengths(spec, num: int = 4000) -> tuple[int, int]:
 
     w = dataclasses.replace(spec.workload, num_requests=num)
     reqs = build_workload(w, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=False)
-    return (round(sum(r.prompt_len for r in reqs) / len(reqs)), round(sum(r.max_tokens for r in reqs) / len(reqs)))
+    return (round(sum(r.num_prompt_tokens for r in reqs) / len(reqs)), round(sum(r.max_tokens for r in reqs) / len(reqs)))
 
 
 def planner_choice(cfg, gpus: int, plan_opts: dict) -> dict:
@@ -104,12 +104,14 @@ def peer_choice(model_dir: str, gpus: int, system: str, framework: str, isl: int
     return out
 
 
-def _split(d: dict | None) -> str:
+def _split(d: dict | None, gpus: int) -> str:
+    """aiconfigurator's disaggregated replica as GPUs for prefill and decode, and how many fill `gpus`."""
     if not d:
         return "-"
     p, q = d["prefill_workers"] * d["prefill_tp"], d["decode_workers"] * d["decode_tp"]
-    tp = "" if d["prefill_tp"] == d["decode_tp"] == 1 else f" (TP{d['prefill_tp']}/TP{d['decode_tp']})"
-    return f"{p}p{q}d{tp}"
+    tp = "" if d["prefill_tp"] == d["decode_tp"] == 1 else f", TP{d['prefill_tp']}/TP{d['decode_tp']}"
+    n = max(1, gpus // max(1, p + q))
+    return f"{n * p}p{n * q}d ({n} x {p}p{q}d{tp})" if n > 1 else f"{p}p{q}d{tp}"
 
 
 def _agg(d: dict | None, gpus: int) -> str:
@@ -135,7 +137,7 @@ def table(rows: list[dict]) -> str:
             g = r["gpus"]
             theirs = [chosen,
                       f"{_agg(a['agg'], g)}, {a['agg']['seq_s_gpu']:.3g}" if a["agg"] else "none within the SLO",
-                      f"{_split(a['disagg'])}, {a['disagg']['seq_s_gpu']:.3g}" if a["disagg"] else "none within the SLO",
+                      f"{_split(a['disagg'], g)}, {a['disagg']['seq_s_gpu']:.3g}" if a["disagg"] else "none within the SLO",
                       " / ".join(f"{d['seq_s_gpu']:.3g}" if d else "-" for d in (a["agg_tp1"], a["disagg_tp1"]))]
         lines.append(f"| {r['workload']} ({r['isl']}/{r['osl']}) | {r['slo']} ({r['ttft_ms']:g} ms, {r['tpot_ms']:g} ms) "
                      f"| {mine} | {modes} | " + " | ".join(theirs) + " |")
