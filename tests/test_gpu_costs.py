@@ -133,8 +133,16 @@ def test_the_costs_command_ends_with_one_json_line(capsys):
 def test_an_over_long_table_is_refused():
     from experiments.sim.cost_table import main
 
-    with pytest.raises(SystemExit, match="exceed its context"):
+    with pytest.raises(SystemExit, match="--context=9000 exceeds its context"):
         main(["--context", "9000", "hardware.costs=roofline"])
+
+
+def test_prompts_are_bounded_by_the_models_context(capsys):
+    from experiments.sim.cost_table import main
+
+    assert main(["model=tiny", "hardware=h200", "hardware.costs=roofline"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(r["prefill_ms"]) == ["512", "1024", "2048", "4096"]          # tiny's context is 4,096
 
 
 def test_the_measured_h200_database():

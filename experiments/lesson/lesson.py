@@ -78,7 +78,7 @@ def measured_points(mcfg, gpu: str, dtype_bytes: int, pts, context: int) -> tupl
         return [], {"source": None, "why": why}
     timed, ms = [], {}
     for p in pts:
-        kind, *rest = p.step.split()
+        _, *rest = p.step.split()
         b = int(next((x[2:] for x in rest if x.startswith("B=")), 0))
         chunk = int(next((x[2:] for x in rest if x.startswith("P=")), 0))
         t = step.time(chunk_features(b, b * context, [(chunk, 0, True)] if chunk else []))

@@ -42,11 +42,10 @@ def compare(spec, context: int = 1024, decodes: int = 32, batches=BATCHES, prefi
         raise ConfigError(f"hardware={spec.hardware.name}: the cost sources are for datasheet GPUs "
                           f"({', '.join(sorted(HARDWARE))})")
     mcfg = model_config(spec)
-    too_long = [p for p in prefills if p > mcfg.max_position_embeddings] + \
-               ([context + 1] if context + 1 > mcfg.max_position_embeddings else [])
-    if too_long:
-        raise ConfigError(f"model={mcfg.name}: {too_long[0]} tokens exceed its context "
-                          f"({mcfg.max_position_embeddings}); give smaller --context or prefill sizes")
+    longest = mcfg.max_position_embeddings
+    if context + 1 > longest:
+        raise ConfigError(f"model={mcfg.name}: --context={context} exceeds its context ({longest} tokens)")
+    prefills = [p for p in prefills if p <= longest]         # the model's context bounds a prompt
     chosen = costs_for(spec)
     roofline = costs_for(replace(spec, hardware=replace(spec.hardware, costs="roofline"))).step
     bound = roofline_model(mcfg, roofline.hw, roofline.dtype_bytes, compute_eff=1.0, mem_eff=1.0, overhead_s=0.0)
@@ -98,7 +97,8 @@ def render(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from experiments.run import CONF_DIR
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.sim.costs", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m experiments.sim.costs", description="GPU step times from each cost source side by side "
+                                 "(aiconfigurator's measured database, the simulator's roofline, the datasheet bound)",
                                  epilog="overrides: Hydra overrides of the run config (model=, hardware=, "
                                         "hardware.costs=, hardware.framework=, hardware.compute_eff=, ...)")
     ap.add_argument("--context", type=int, default=1024, help="tokens cached per decode sequence")
