@@ -164,7 +164,10 @@ def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: 
     metrics["ci_level"] = 0.95
     metrics["machine"] = {}
     metrics["repeat"], metrics["point"] = repeat, ident | {"backend": "sim", "costs": sim.costs.source}
-    metrics["simulated"] = {"costs": sim.costs.source, "detail": sim.costs.detail, "num_events": sim.num_events,
+    detail = sim.costs.detail
+    if getattr(sim.costs.step, "kind", None) == "aiconfigurator":   # its roofline fallbacks, counted to now
+        detail = detail | {"step_model": sim.costs.step.to_dict()}
+    metrics["simulated"] = {"costs": sim.costs.source, "detail": detail, "num_events": sim.num_events,
                             "wall_s": wall_s, "notes": sim.notes}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
     return metrics
