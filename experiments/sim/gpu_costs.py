@@ -115,8 +115,7 @@ def build_tables(handle, grid: Grid, source: str) -> Tables:
         except (ValueError, RuntimeError):
             return math.nan
         return t if t >= 0 and math.isfinite(t) else math.nan
-    # decode attention is linear in the batch at a given context in the database (one kernel over the
-    # batch), so every batch is read for the table's rows only where asked: all of them, cheaply
+    # the decodes' attention beside a prompt: its context argument is isl + osl // 2, so isl = c, osl = 0
     decode_attn = [[part(3, 1, b, c, 0) for c in contexts] for b in batches]
     shared = [part(1, t, 0, t, 1) for t in tokens]
     prefill_attn = [part(2, t, 0, t, 1) for t in tokens]
