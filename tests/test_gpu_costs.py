@@ -186,3 +186,29 @@ def test_the_peer_table_names_both_choices_and_why_one_is_missing(monkeypatch):
     lines = text.splitlines()
     assert len(lines) == 4 and "| disaggregated, 2p6d, 27 | - / 27 (2p6d) | colocated (agg) | 8 x TP1, 64.3 |" in lines[2]
     assert "4p4d (4 x 1p1d), 45.3" in lines[2] and "not run: no peer" in lines[3]
+
+
+def test_the_lessons_gpu_figures_carry_the_measured_steps(monkeypatch, tmp_path):
+    from omegaconf import OmegaConf
+
+    from experiments.analysis.roofline import Hardware
+    from experiments.lesson import lesson, text
+    from experiments.run import CONF_DIR
+
+    def fake(cfg, gpu, *a):
+        if gpu == "a100":
+            raise SourceUnavailable("no a100 here")
+        return build_tables(FakeHandle(), Grid(max_batch=256, max_context=8192, max_tokens=16384), f"fake {gpu}")
+    monkeypatch.setattr(gpu_costs, "measured_tables", fake)
+    cfg = OmegaConf.load(f"{CONF_DIR}/lesson.yaml")
+    rf = lesson.roofline_section(cfg, Hardware("measured-cpu", 1e11, 2e10, 0, 0, 0), preset("tiny"), 4, tmp_path)
+    h200 = rf["hardware"]["h200"]["measured"]
+    assert h200["source"] == "fake h200" and rf["hardware"]["a100"]["measured"] == {"source": None, "why": "no a100 here"}
+    assert h200["ms"]["decode B=32 C=1024"] == pytest.approx(4.0 + 0.32 + 1e-5 * 32 * 1024)
+    mixed = 3.0 + 0.02 * (2048 + 32) + 1e-6 * 2048**2 + 1e-5 * 32 * 1024
+    assert h200["ms"]["mixed B=32 C=1024 + P=2048"] == pytest.approx(mixed, rel=0.01)
+    md = text.why({"roofline": lesson._plain(rf), "device": "CPU with 2 threads"}, 1)
+    assert "| a100 |" in md and "not in the database |" in md.split("| a100 |")[1].splitlines()[0]
+    assert "Measured on the h200 (NVIDIA's per-operation database, fake h200" in md
+    assert "the roofline's and NVIDIA's database's, not measurements of this run" in md
+    assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
