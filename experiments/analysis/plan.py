@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import apply_layout, parse
+from experiments.config import ConfigError, apply_layout, parse
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
+from experiments.sim.stepmodel import chunk_features
 
 
 HORIZON = 10              # a probe's arrivals span at least this many TTFT targets ...
@@ -113,6 +114,11 @@ class Search:
         base = parse(apply_layout(cfg, "colocated-chunked"))
         self.slo, self.target = base.slo, base.slo.attainment_target
         self.costs = costs or costs_for(base)
+        floor_ms = 1e3 * (self.costs.step.time(chunk_features(1, 1, [])) + self.costs.step.gap(1))
+        if self.slo.tpot_ms < floor_ms:
+            raise ConfigError(f"slo.tpot_ms={self.slo.tpot_ms:g} is below the fastest decode step here: "
+                              f"{floor_ms:.2f} ms for one sequence with its host gap ({self.costs.source}); "
+                              "no layout can meet it (python -m experiments.sim.costs shows the step times)")
 
     def run(self, spec, rate: float, n: int, costs=None, horizon: bool = True, phase: str = "both"):
         """A simulation at `rate`; with `horizon`, long enough to judge `phase` (the module docstring:

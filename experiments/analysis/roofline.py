@@ -233,6 +233,10 @@ class HardwareSpec:
     step_overhead_ms: float | None = None
     hbm_gb: float | None = None          # simulator: GPU memory for weights and KV (null: the datasheet's)
     gpus_per_node: int = 8               # simulator: GPUs sharing a node's NVLink; the network between nodes
+    costs: str = "auto"                  # simulator, datasheet GPUs: step times from aiconfigurator's measured
+                                         # database where it has them (auto), always (aiconfigurator) or the
+                                         # roofline (experiments/sim/gpu_costs.py)
+    framework: str = "vllm"              # ... the serving framework whose measurements price a step
 
     def resolve(self) -> Hardware:
         if self.name == "measured":

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import hydra
@@ -46,20 +46,44 @@ def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int,
     r = cfg.roofline
     mcfg = preset(r.model)
     args = (list(r.prefill_tokens), list(r.decode_batches), r.context, r.mixed.batch, r.mixed.chunk)
-    per_hw, pts = {}, []
+    per_hw, pts, timed = {}, [], []
     for name in r.hardware:
         hw = HARDWARE[name]
         pts = operating_points(mcfg, hw, DTYPE_BYTES[r.dtype], *args)
-        per_hw[name] = {"hardware": asdict(hw), "ridge": hw.ridge, "points": [asdict(p) for p in pts]}
+        timed, measured = measured_points(mcfg, name, DTYPE_BYTES[r.dtype], pts, r.context)
+        per_hw[name] = {"hardware": asdict(hw), "ridge": hw.ridge, "points": [asdict(p) for p in pts],
+                        "measured": measured}
     here = operating_points(mcfg_here, hw_here, dtype_bytes_here, *args)
     last = list(r.hardware)[-1]
     lesson_plots.roofline_plot(HARDWARE[last], pts, out / "roofline.png",
-                               title=f"{mcfg.name} on {last} (circles) and {mcfg_here.name} on this device (squares)",
-                               extra=[(hw_here, here, "s")])
+                               title=f"{mcfg.name} on {last} (circles" + (", measured: crosses" if timed else "")
+                                     + f") and {mcfg_here.name} on this device (squares)",
+                               extra=[(hw_here, here, "s")], measured=timed)
     return {"model": mcfg.name, "dtype": r.dtype, "context": r.context, "mixed": dict(r.mixed),
             "hardware": per_hw,
             "here": {"model": mcfg_here.name, "hardware": asdict(hw_here), "ridge": hw_here.ridge,
                      "points": [asdict(p) for p in here]}}
+
+
+def measured_points(mcfg, gpu: str, dtype_bytes: int, pts, context: int) -> tuple[list, dict]:
+    """The operating points priced by aiconfigurator's measured database (experiments/sim/gpu_costs.py):
+    (points with the measured time and the FLOP/s it implies, {"source", "ms": {step: ms}}), or
+    ([], {"source": None, "why": ...}) where the database lacks the GPU or is not installed."""
+    from experiments.sim.gpu_costs import choose
+    from experiments.sim.stepmodel import chunk_features, roofline_model
+
+    step, why = choose(mcfg, gpu, roofline_model(mcfg, gpu, dtype_bytes), "auto", dtype_bytes=dtype_bytes)
+    if why is not None:
+        return [], {"source": None, "why": why}
+    timed, ms = [], {}
+    for p in pts:
+        _, *rest = p.step.split()
+        b = int(next((x[2:] for x in rest if x.startswith("B=")), 0))
+        chunk = int(next((x[2:] for x in rest if x.startswith("P=")), 0))
+        t = step.time(chunk_features(b, b * context, [(chunk, 0, True)] if chunk else []))
+        ms[p.step] = 1e3 * t
+        timed.append(replace(p, time_ms=1e3 * t, achieved_flops=p.flops / t))
+    return timed, {"source": step.name, "ms": ms}
 
 
 # -- 2. interference, measured -------------------------------------------------------------------

@@ -10,10 +10,11 @@ import numpy as np  # noqa: E402
 COLORS = {"prefill": "tab:red", "decode": "tab:blue", "mixed": "tab:purple"}
 
 
-def roofline_plot(hw, points, path, title: str, extra=None) -> None:
+def roofline_plot(hw, points, path, title: str, extra=None, measured=None) -> None:
     """Attainable FLOP/s against arithmetic intensity, each operating point marked by a number that the
     key beside the axes names (long step names next to close points would overlap).
-    `extra`: more (hardware, points, marker) to draw on the same axes (e.g. a measured device)."""
+    `extra`: more (hardware, points, marker) to draw on the same axes (e.g. a measured device);
+    `measured`: `points` again at the FLOP/s their measured times imply (crosses, under `hw`'s roof)."""
     fig, (ax, key) = plt.subplots(1, 2, figsize=(10, 5), gridspec_kw={"width_ratios": [3.2, 1]})
     numbers: dict[str, int] = {}
     for hw_i, pts_i, marker in [(hw, points, "o")] + list(extra or []):
@@ -30,6 +31,10 @@ def roofline_plot(hw, points, path, title: str, extra=None) -> None:
             placed.append(lx)
             ax.annotate(str(n), (p.intensity, p.achieved_flops), fontsize=7, textcoords="offset points",
                         xytext=(4, -11 - 9 * near), color=COLORS.get(kind, "k"))
+    for p in measured or []:
+        ax.scatter(p.intensity, p.achieved_flops, color=COLORS.get(p.step.split()[0], "k"), marker="x", s=40, zorder=3)
+    if measured:
+        ax.scatter([], [], color="gray", marker="x", label=f"{hw.name} measured (aiconfigurator)")
     for kind, color in COLORS.items():
         ax.scatter([], [], color=color, label=f"{kind} step")
     ax.set_xscale("log")

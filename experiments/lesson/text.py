@@ -34,9 +34,12 @@ def why(r: dict, n: int) -> str:
     rows = []
     for hw_name, h in rf["hardware"].items():
         d, f, m = find(h["points"], dec), find(h["points"], pre), find(h["points"], mix)
+        got = (h.get("measured") or {}).get("ms")
+        timed = (f"{num(got[dec])} / {num(got[pre])} / {num(got[mix])}, {num(got[mix] / got[dec])}x" if got
+                 else "not in the database")
         rows.append(f"| {hw_name} | {num(h['ridge'])} | {num(d['intensity'])}, {d['bound']}, {num(d['time_ms'])} | "
                     f"{num(f['intensity'])}, {f['bound']}, {num(f['time_ms'])} | {num(m['time_ms'])} | "
-                    f"{num(m['time_ms'] / d['time_ms'])}x |")
+                    f"{num(m['time_ms'] / d['time_ms'])}x | {timed} |")
     hw_name, h = list(rf["hardware"].items())[-1]
     d, f, m = find(h["points"], dec), find(h["points"], pre), find(h["points"], mix)
     here = rf["here"]
@@ -56,8 +59,9 @@ def why(r: dict, n: int) -> str:
         "",
         "![roofline](roofline.png)",
         "",
-        "| hardware | ridge FLOP/B | decode: FLOP/B, bound, ms | prefill: FLOP/B, bound, ms | mixed step ms | mixed / decode |",
-        "|---|---|---|---|---|---|",
+        "| hardware | ridge FLOP/B | decode: FLOP/B, bound, ms | prefill: FLOP/B, bound, ms | mixed step ms | mixed / decode "
+        "| measured decode / prefill / mixed ms, mixed / decode |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"**Answer.** A decode step makes one token per sequence but reads every weight and the whole KV cache "
@@ -68,15 +72,28 @@ def why(r: dict, n: int) -> str:
         f"roofline puts at {num(m['time_ms'])} ms, {num(m['time_ms'] / d['time_ms'])}x the decode-only step: each "
         f"of the {b} running requests waits that long for its next token. {share}",
         "",
+        *([_measured_sentence(h, hw_name, dec, pre, mix, b), ""] if (h.get("measured") or {}).get("ms") else []),
         f"On this device ({r['device']}) the measured ceilings are {num(hw_here['peak_flops'] / 1e9)} GFLOP/s and "
         f"{num(hw_here['mem_bw'] / 1e9)} GB/s, a ridge of {num(here['ridge'])} FLOP per byte; {here['model']}'s "
         f"decode step at the same shape has intensity {num(hd['intensity'])}, "
         f"{_side(hd['intensity'], here['ridge'])} that ridge ({hd['bound']}-bound by this roofline).",
     ]
     if _cpu(r):
+        what = ("the GPU rows above are the roofline's and NVIDIA's database's, not measurements of this run"
+                if any((h.get("measured") or {}).get("ms") for h in rf["hardware"].values())
+                else "the GPU rows above are the roofline's, not measurements")
         lines += ["", "On a CPU prefill and decode run on the same cores, which also serve this machine's other "
-                      "processes; the GPU rows above are the roofline's, not measurements."]
+                      f"processes; {what}."]
     return "\n".join(lines)
+
+
+def _measured_sentence(h: dict, hw_name: str, dec: str, pre: str, mix: str, b: int) -> str:
+    got, src = h["measured"]["ms"], h["measured"]["source"]
+    return (f"Measured on the {hw_name} (NVIDIA's per-operation database, {src}; the crosses in the figure, "
+            f"`experiments/sim/gpu_costs.py`), the same steps take {num(got[dec])} ms (decode), {num(got[pre])} ms "
+            f"(prefill) and {num(got[mix])} ms (mixed): the mixed step is {num(got[mix] / got[dec])}x the decode-only "
+            f"one, {num(got[dec] / find(h['points'], dec)['time_ms'])}x and {num(got[pre] / find(h['points'], pre)['time_ms'])}x "
+            f"the roofline's decode and prefill bounds.")
 
 
 # -- 2 ------------------------------------------------------------------------------------------

@@ -28,14 +28,23 @@ def when(r: dict, n: int) -> str:
         "(`experiments/analysis/decision_sim.py`: the planner's search in the simulator, running pdlab's scheduler, "
         "block manager and router; a mode's goodput per GPU is the highest rate at which the share of requests within "
         f"both SLOs meets the attainment target, so tails, queueing, batching and preemption count; {est['num_sims']} "
-        f"simulations in {num(est['elapsed_s'])} s). The step times are the roofline's at the efficiencies `experiments/sim/"
-        "stepmodel.py` states, not a measurement on that GPU. " + STREAM_TEXT.get(est.get("stream", "off"), ""),
+        f"simulations in {num(est['elapsed_s'])} s). " + _steps_text(est.get("source") or "")
+        + STREAM_TEXT.get(est.get("stream", "off"), ""),
         "",
     ]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
     lines.append(_answer(de))
     return "\n".join(lines)
+
+
+def _steps_text(source: str) -> str:
+    if "aiconfigurator" in source:
+        return ("The step times are NVIDIA's measured per-operation times on that GPU (aiconfigurator-core's "
+                "database, composed into steps by `experiments/sim/gpu_costs.py`); the host gap between steps, "
+                "the messages and the KV link are assumptions `experiments/sim/costs.py` states. ")
+    return ("The step times are the roofline's at the efficiencies `experiments/sim/stepmodel.py` states, not a "
+            "measurement on that GPU (install the gpu-costs extra for measured ones). ")
 
 
 STREAM_TEXT = {

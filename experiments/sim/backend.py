@@ -5,7 +5,8 @@ exactly as a real run builds it, and each worker's KV pool sized as the real eng
 CPU from scheduler.kv_cache_mb or num_kv_blocks; on a GPU from its memory less weights and
 activations, workers/kv_cache.py's rule). `costs_for` reads the `hardware` group: `measured` (or
 hardware.profile) simulates with a profile of a device (experiments/analysis/profile.py), a datasheet
-GPU with the roofline model. `simulate_repeat` writes a repeat's requests.jsonl, steps.jsonl and
+GPU with aiconfigurator's measured step times or the roofline model (hardware.costs,
+experiments/sim/gpu_costs.py). `simulate_repeat` writes a repeat's requests.jsonl, steps.jsonl and
 metrics.json as experiments/serving/serve.py's serve_repeat does, plus `simulated` in metrics.json
 (what the costs came from, events, wall time). A simulation is deterministic: a point is simulated
 once (rep0) whatever `repeats` says, so its intervals are within-run ones, over requests.
@@ -23,7 +24,7 @@ from experiments.config import ConfigError, RunSpec
 from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.serving.metrics import summarize
 from experiments.serving.steps import step_ratio
-from experiments.sim.costs import Costs, from_profile, from_roofline
+from experiments.sim.costs import Costs, from_gpu, from_profile
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
 from experiments.sim.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
@@ -116,7 +117,10 @@ def costs_for(spec: RunSpec, serving: dict | None = None) -> Costs:
         base = replace(base, **{k: v for k, v in (("peak_flops", hw.peak_flops), ("mem_bw", hw.mem_bw)) if v})
         over = {"compute_eff": hw.compute_eff, "mem_eff": hw.mem_eff,
                 "overhead_s": hw.step_overhead_ms / 1e3 if hw.step_overhead_ms is not None else None}
-        return from_roofline(model_config(spec), base, dtype_bytes(spec), hw.link_bw, **over)
+        try:
+            return from_gpu(model_config(spec), base, dtype_bytes(spec), hw.link_bw, hw.costs, hw.framework, **over)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if hw.name != "measured":
         raise ConfigError(f"hardware.name={hw.name!r}: choose measured or one of {sorted(HARDWARE)}")
     return from_profile(profile_for(spec), spec.transfer.backend, serving=serving)
@@ -171,7 +175,10 @@ def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: 
     metrics["ci_level"] = 0.95
     metrics["machine"] = {}
     metrics["repeat"], metrics["point"] = repeat, ident | {"backend": "sim", "costs": sim.costs.source}
-    metrics["simulated"] = {"costs": sim.costs.source, "detail": sim.costs.detail, "num_events": sim.num_events,
+    detail = sim.costs.detail
+    if getattr(sim.costs.step, "kind", None) == "aiconfigurator":   # its roofline fallbacks, counted to now
+        detail = detail | {"step_model": sim.costs.step.to_dict()}
+    metrics["simulated"] = {"costs": sim.costs.source, "detail": detail, "num_events": sim.num_events,
                             "wall_s": wall_s, "notes": sim.notes, "token_times": sim.cfg.keep_tokens}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
     return metrics

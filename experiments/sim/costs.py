@@ -7,6 +7,8 @@ and the latency of the router's messages: `dispatch_s` from the router's submit 
 come from ("profile <file>" or "roofline <hardware>"), and every simulated run records it.
 
 `from_profile` reads a profile of the device at hand (experiments/analysis/profile.py writes it);
+`from_gpu` prices a datasheet GPU's steps from NVIDIA's measured database (aiconfigurator-core, the
+`gpu-costs` extra; experiments/sim/gpu_costs.py) where it has the GPU and model, the roofline elsewhere;
 `from_roofline` builds datasheet costs for a GPU: step times from the roofline model, transfers over
 NVLink within a node and the NIC between nodes, export and import as device copies at the memory
 efficiency, and messages at an assumed 0.5 ms each way (Ray calls on the host; not measured on a GPU).
@@ -116,3 +118,27 @@ def from_roofline(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: flo
     net = TransferModel(GPU_LINK_LATENCY_S, link_bw or hw.net_bw, f"network {hw.name}")
     return Costs(step, {"local": node, "node": node, "network": net}, MESSAGE_S, MESSAGE_S, (10e-6, copy),
                  (10e-6, copy), f"roofline {hw.name}", {"step_model": step.to_dict()})
+
+
+def from_gpu(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | None = None,
+             source: str = "auto", framework: str = "vllm", **efficiency) -> Costs:
+    """Costs of a datasheet GPU with its steps priced by the source `source` picks (experiments/sim/
+    gpu_costs.py: aiconfigurator's measured database where it has the GPU and model, else the roofline);
+    transfers, exports and messages as from_roofline's. `source` names the step source; `detail` says
+    why the roofline priced them where it did (`costs_fallback`)."""
+    from experiments.sim.gpu_costs import choose
+
+    costs = from_roofline(cfg, hardware, dtype_bytes, link_bw, **efficiency)
+    step, why = choose(cfg, costs.step.hw.name, costs.step, source, framework, dtype_bytes)
+    if step is costs.step:
+        costs.detail["costs_fallback"] = why
+        return costs
+    costs.step, costs.source = step, step.name
+    costs.detail = {"step_model": step.to_dict(), "costs_fallback": None}
+    return costs
+
+
+if __name__ == "__main__":
+    # python -m experiments.sim.costs model=llama-3-8b hardware=h200: step times from each source side by side
+    from experiments.sim.cost_table import main
+    raise SystemExit(main())

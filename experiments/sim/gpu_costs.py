@@ -1,0 +1,289 @@
+"""GPU step times from NVIDIA's measured performance database (aiconfigurator-core), roofline as fallback.
+
+`aiconfigurator-core` (Apache-2.0; `pip install -e ".[gpu-costs]"`) ships per-operation kernel times
+measured on datacenter GPUs (GEMMs, attention, norms, ...) for vLLM, SGLang and TensorRT-LLM, and
+composes them into the time of one engine step. pdlab asks it for three things, once per (model, GPU,
+framework), on a grid of shapes, and keeps them as tables (`Tables`):
+
+  decode_ms[b][c]     a decode-only step of b sequences, each with c tokens cached
+                      (`decode_step_latency(b, c, 0)`: every sequence attends c + 1 keys)
+  shared_ms[t]        the non-attention work of a step of t tokens (GEMMs, norms, logits), from
+                      `mixed_step_breakdown(t, 0, t, 1)`: it depends on the step's token count only
+  prefill_attn_ms[n]  the attention of an n-token prompt from an empty cache (the same call)
+  decode_attn_ms[b][c] the attention of b decode sequences at context c (`mixed_step_breakdown`)
+
+`MeasuredStepModel` prices a step from its features (experiments/sim/stepmodel.py):
+  decode-only:  decode_ms(b, mean context)                         (interpolated along context)
+  with prompt:  shared_ms(b + prompt tokens) + prefill_attn(pairs) + decode_attn_ms(b, mean context)
+where prefill_attn(pairs) reads the prompt curve at the same number of attended (query, key) pairs: one
+attention kernel over all chunks of the step, a pair against cached KV priced like one within the
+chunk (aiconfigurator's own mixed step also splits a step this way: shared work, context attention,
+decode attention). The host gap between steps is the roofline model's assumption (stepmodel.GAP_COEF):
+the database times kernels, not a serving loop.
+
+Which source prices a GPU (`choose`): hardware.costs=auto takes aiconfigurator where it is installed,
+has a database for the GPU and framework and builds the model; otherwise the roofline, with the reason.
+hardware.costs=aiconfigurator insists (an error names what is missing); hardware.costs=roofline skips
+it. A shape beyond the tables (a batch, context or token count past the grid, which spans the engine's
+limits) or a grid point the database refuses is priced by the roofline, and counted (`fallback_steps`,
+`fallback_points`). Every result names its source: "aiconfigurator <system> <framework> <version>" or
+"roofline <gpu> (...)".
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from workers.config import ModelConfig
+
+SYSTEMS = {"a100": "a100_sxm", "h100": "h100_sxm", "h200": "h200_sxm"}   # pdlab GPU -> aiconfigurator system
+FRAMEWORKS = ("vllm", "sglang", "trtllm")
+SOURCES = ("auto", "aiconfigurator", "roofline")
+DTYPES = {2: "bfloat16"}             # the database's dense models are timed in bf16 (fp8 variants aside)
+CACHE = Path.home() / ".cache" / "pdlab" / "aiconfigurator"   # the HF config.json handed to aiconfigurator
+
+
+class SourceUnavailable(RuntimeError):
+    """aiconfigurator cannot price this model on this GPU; the message says why."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Shapes the tables hold: every batch 1..max_batch, contexts and token counts up to their maxima."""
+
+    max_batch: int = 1024
+    max_context: int = 8192
+    max_tokens: int = 16384
+
+    def contexts(self) -> list[int]:
+        pts = {1, self.max_context}
+        c = 16
+        while c < self.max_context:
+            pts.update((c, int(c * 1.5)))
+            c *= 2
+        return sorted(p for p in pts if p <= self.max_context)
+
+    def tokens(self) -> list[int]:
+        pts = set(range(16, min(2048, self.max_tokens) + 1, 16)) | {1, 2, 4, 8, self.max_tokens}
+        pts |= set(range(2048, self.max_tokens + 1, 128))
+        return sorted(p for p in pts if p <= self.max_tokens)
+
+
+@dataclass
+class Tables:
+    """What the database said on a Grid, in ms (see the module docstring); `nan` where it refused."""
+
+    source: str
+    batches: list[int]
+    contexts: list[int]
+    tokens: list[int]
+    decode_ms: list[list[float]]
+    decode_attn_ms: list[list[float]]
+    shared_ms: list[float]
+    prefill_attn_ms: list[float]
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def fallback_points(self) -> int:
+        arrays = (self.decode_ms, self.decode_attn_ms, self.shared_ms, self.prefill_attn_ms)
+        return int(sum(np.isnan(np.asarray(a, dtype=float)).sum() for a in arrays))
+
+
+def _ms(fn, *args) -> float:
+    try:
+        t = float(fn(*args))
+    except (ValueError, RuntimeError):
+        return math.nan
+    return t if t > 0 and math.isfinite(t) else math.nan
+
+
+def build_tables(handle, grid: Grid, source: str) -> Tables:
+    """Tables from an engine handle with aiconfigurator's EngineHandle methods `decode_step_latency` and
+    `mixed_step_breakdown` (a fake one in tests)."""
+    batches, contexts, tokens = list(range(1, grid.max_batch + 1)), grid.contexts(), grid.tokens()
+    decode = [[_ms(handle.decode_step_latency, b, c, 0) for c in contexts] for b in batches]
+
+    def part(i, *args):
+        try:
+            t = float(handle.mixed_step_breakdown(*args)[i])
+        except (ValueError, RuntimeError):
+            return math.nan
+        return t if t >= 0 and math.isfinite(t) else math.nan
+    # the decodes' attention beside a prompt: its context argument is isl + osl // 2, so isl = c, osl = 0
+    decode_attn = [[part(3, 1, b, c, 0) for c in contexts] for b in batches]
+    shared = [part(1, t, 0, t, 1) for t in tokens]
+    prefill_attn = [part(2, t, 0, t, 1) for t in tokens]
+    return Tables(source, batches, contexts, tokens, decode, decode_attn, shared, prefill_attn,
+                  {"grid": {"max_batch": grid.max_batch, "max_context": grid.max_context, "max_tokens": grid.max_tokens}})
+
+
+class MeasuredStepModel:
+    """A GPU's step time from aiconfigurator's tables; the roofline model where the tables end."""
+
+    kind = "aiconfigurator"
+    after_prefill = after_prefill_by_size = contention = kv_transfer = by_place = after_prompt = None
+
+    def __init__(self, tables: Tables, fallback):
+        self.tables, self.fallback = tables, fallback
+        self.name = tables.source
+        self.gap_coef = tuple(fallback.gap_coef)
+        self.fallback_steps = 0
+        self._b_max, self._c = tables.batches[-1], np.asarray(tables.contexts, dtype=float)
+        self._t = np.asarray(tables.tokens, dtype=float)
+        self._dec = np.asarray(tables.decode_ms, dtype=float) / 1e3        # [B, C] seconds
+        self._datt = np.asarray(tables.decode_attn_ms, dtype=float) / 1e3  # [B, C]
+        self._shared = np.asarray(tables.shared_ms, dtype=float) / 1e3     # [T]
+        n = self._t
+        self._pairs = n * (n + 1) / 2                                      # a prompt's attended pairs
+        self._patt = np.asarray(tables.prefill_attn_ms, dtype=float) / 1e3
+
+    def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
+        return 1.0
+
+    def gap(self, num_seqs: int, quiet: bool = False) -> float:
+        return self.gap_coef[0] + self.gap_coef[1] * num_seqs
+
+    def _row(self, table: np.ndarray, b: int, ctx) -> np.ndarray | float:
+        return np.interp(ctx, self._c, table[b - 1])
+
+    def _fall(self, f) -> float:
+        self.fallback_steps += 1
+        return self.fallback.time(f)
+
+    def time(self, f: tuple) -> float:
+        b, ctx_sum, p = f[0], f[1], f[2]
+        mean_ctx = ctx_sum / b if b else 0.0
+        if b > self._b_max or mean_ctx > self._c[-1] or b + p > self._t[-1] or f[5] > self._pairs[-1]:
+            return self._fall(f)
+        if p == 0:
+            t = self._row(self._dec, b, max(mean_ctx, 1.0)) if b else math.nan
+        else:
+            t = (np.interp(b + p, self._t, self._shared) + np.interp(f[5], self._pairs, self._patt)
+                 + (self._row(self._datt, b, max(mean_ctx, 1.0)) if b else 0.0))
+        return float(t) if math.isfinite(t) else self._fall(f)
+
+    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
+        ctx = (context + b * np.arange(k, dtype=np.float64)) / b
+        if b > self._b_max or ctx[-1] > self._c[-1]:
+            self.fallback_steps += k
+            return self.fallback.decode_run(b, context, k)
+        t = self._row(self._dec, b, np.maximum(ctx, 1.0))
+        if not np.isfinite(t).all():
+            self.fallback_steps += k
+            return self.fallback.decode_run(b, context, k)
+        return t
+
+    def to_dict(self) -> dict:
+        t = self.tables
+        return {"kind": self.kind, "name": self.name, "gap_coef": list(self.gap_coef),
+                "fallback": self.fallback.name, "fallback_points": t.fallback_points,
+                "fallback_steps": self.fallback_steps, **t.detail,
+                "source": "aiconfigurator-core's measured per-operation database (experiments/sim/gpu_costs.py)"}
+
+
+# -- the database ----------------------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The Hugging Face config.json of a pdlab model shape, as aiconfigurator reads one."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps, "torch_dtype": "bfloat16"}
+
+
+def _model_dir(cfg: ModelConfig) -> Path:
+    text = json.dumps(hf_config(cfg), sort_keys=True)
+    d = CACHE / f"{cfg.name}-{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "config.json").is_file() or (d / "config.json").read_text() != text:
+        (d / "config.json").write_text(text)
+    return d
+
+
+def open_engine(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2):
+    """(aiconfigurator EngineHandle, source string) for `cfg` on `gpu`; SourceUnavailable says why not."""
+    if gpu not in SYSTEMS:
+        raise SourceUnavailable(f"aiconfigurator has no database for hardware={gpu} (pdlab maps {sorted(SYSTEMS)})")
+    if framework not in FRAMEWORKS:
+        raise SourceUnavailable(f"hardware.framework={framework!r}: choose one of {FRAMEWORKS}")
+    if dtype_bytes not in DTYPES:
+        raise SourceUnavailable(f"{dtype_bytes}-byte weights: the database times {sorted(DTYPES.values())} models")
+    try:
+        import aiconfigurator_core
+        from aiconfigurator_core.sdk.engine import EngineHandle
+    except ImportError:
+        raise SourceUnavailable("aiconfigurator-core is not installed (pip install -e \".[gpu-costs]\")") from None
+    system = SYSTEMS[gpu]
+    quiet = logging.getLogger("aiconfigurator_core")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)        # it logs every low-fidelity table it loads, for models pdlab never runs
+    try:
+        handle = EngineHandle.compile(str(_model_dir(cfg)), system, framework)
+        handle.decode_step_latency(1, 1, 0)
+    except Exception as e:               # noqa: BLE001 - any refusal of the library means: not this source
+        raise SourceUnavailable(f"aiconfigurator cannot build {cfg.name} on {system}/{framework}: "
+                                f"{type(e).__name__}: {e}") from None
+    finally:
+        quiet.setLevel(level)
+    version = _framework_version(system, framework)
+    lib = getattr(aiconfigurator_core, "__version__", None) or _dist_version()
+    return handle, f"aiconfigurator {system} {framework} {version} (aiconfigurator-core {lib})"
+
+
+def _dist_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("aiconfigurator-core")
+    except PackageNotFoundError:
+        return "?"
+
+
+def _framework_version(system: str, framework: str) -> str:
+    """The newest framework version whose GEMM table the database holds for `system` (what it loads)."""
+    try:
+        import aiconfigurator_core
+        root = Path(aiconfigurator_core.__file__).parent / "systems" / "data" / system / "gemm" / framework
+        versions = sorted((p.name for p in root.iterdir() if p.is_dir()),
+                          key=lambda v: [int(x) if x.isdigit() else x for x in v.replace("rc", ".").split(".")])
+        return versions[-1] if versions else "?"
+    except (OSError, ImportError, TypeError):
+        return "?"
+
+
+_TABLES: dict[tuple, Tables] = {}
+
+
+def measured_tables(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2,
+                    grid: Grid | None = None) -> Tables:
+    """The tables of `cfg` on `gpu` (cached per process: a planner asks for the same ones many times)."""
+    grid = grid or Grid(max_context=cfg.max_position_embeddings)
+    key = (json.dumps(hf_config(cfg), sort_keys=True), gpu, framework, dtype_bytes, grid)
+    if key not in _TABLES:
+        handle, source = open_engine(cfg, gpu, framework, dtype_bytes)
+        _TABLES[key] = build_tables(handle, grid, source)
+    return _TABLES[key]
+
+
+def choose(cfg: ModelConfig, gpu: str, fallback, source: str = "auto", framework: str = "vllm",
+           dtype_bytes: int = 2, grid: Grid | None = None, tables=None):
+    """(step model, why) for a datasheet GPU: MeasuredStepModel where the database prices `cfg` on `gpu`
+    and `source` allows it, else `fallback` (the roofline model) with the reason in `why`. `tables`: what
+    reads the database (default measured_tables; a fake one in tests)."""
+    if source not in SOURCES:
+        raise ValueError(f"hardware.costs={source!r}: choose one of {SOURCES}")
+    if source == "roofline":
+        return fallback, "hardware.costs=roofline"
+    try:
+        return MeasuredStepModel((tables or measured_tables)(cfg, gpu, framework, dtype_bytes, grid), fallback), None
+    except SourceUnavailable as e:
+        if source == "aiconfigurator":
+            raise ValueError(f"hardware.costs=aiconfigurator: {e}") from None
+        return fallback, str(e)
