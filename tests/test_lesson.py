@@ -69,7 +69,7 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py"])
+@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py", "lesson/stall.py"])
 def test_no_figure_in_the_lesson_text_is_a_literal(module):
     tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
@@ -193,3 +193,88 @@ def test_roofline_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "experiments.roofline", "hardware.name=tpu",
                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "hardware.name='tpu'" in bad.stderr
+
+
+# -- the controlled chunking experiment, the rate curves and the breakdown ------------------------
+def test_an_episode_counts_the_gaps_while_the_prompt_is_in():
+    from experiments.lesson.controlled import Episode
+
+    # steady 1 s gaps, the prompt in from 3 to 7 with a 3 s gap, then steady again
+    ep = Episode("x", inject_s=3.0, first_token_s=7.0, decode_times={"d0": [1.0, 2.0, 3.0, 4.0, 7.0, 8.0, 9.0]})
+    inside, before = ep.gaps()
+    assert before == [1.0, 1.0] and inside == [1.0, 3.0, 1.0]     # up to the first token after the prompt's
+    m = ep.metrics()
+    assert m["stall_ms"] == pytest.approx(3000.0) and m["ttft_ms"] == pytest.approx(4000.0)
+    assert m["steady_ms"] == pytest.approx(1000.0)
+    ep.window_end_s = 8.0                                          # disaggregated: closes at the decode side's step
+    assert ep.gaps()[0] == [1.0, 3.0, 1.0, 1.0] and ep.metrics()["ttft_ms"] == pytest.approx(4000.0)
+
+
+def test_controlled_experiment_rows_and_timeline_follow_the_schedule():
+    from experiments.lesson import controlled
+
+    model = build_model(model="tiny", seed=0)
+    res = controlled.run(model, [16, 64, "whole"], num_decodes=3, context=32, prompt_len=64, repeats=2, lead=2, tail=1)
+    assert [r["setup"] for r in res["rows"]] == ["prefill_first", "chunk 16", "chunk 64", "chunk whole",
+                                                  "disaggregated"]
+    for r in res["rows"]:
+        assert len(r["samples"]) == 2
+        for key in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms"):
+            med, lo, hi = r[key]
+            assert lo <= med <= hi and med > 0, (r["setup"], key, r[key])
+    tl = res["timeline"]
+    assert set(tl) == {r["setup"] for r in res["rows"]}
+
+    def during(setup):          # each decode's tokens after the arrival, up to the prompt's first token
+        ep = tl[setup]
+        return {len([t for t in ts if 0 < t <= ep["first_token_ms"] + 1e-9]) for ts in ep["decodes"].values()}
+    assert during("prefill_first") == {0}          # the prompt's step runs alone: the decodes stall
+    assert during("chunk 16") == {4}               # a decode token with each of the four chunks
+    assert during("chunk whole") == {1}
+    d = tl["disaggregated"]
+    assert d["joined_ms"] >= d["first_token_ms"] and d["handoff_ms"] > 0 and d["prefill_ms"] > 0
+    assert during("disaggregated") == {len([t for t in next(iter(d["decodes"].values()))
+                                            if 0 < t <= d["first_token_ms"] + 1e-9])}
+    with pytest.raises(ValueError, match="chunking_controlled.chunks"):
+        controlled.run(model, [128], num_decodes=1, context=8, prompt_len=64, repeats=2)
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        controlled.run(model, [16], num_decodes=1, context=8, prompt_len=64, repeats=1)
+
+
+def test_knee_breakdown_and_the_part_that_grew_most():
+    from experiments.lesson import rates
+
+    assert rates.knee([1, 2, 4, 8], [True, True, False, True]) == {"last_met": 2, "falls_below": 4}
+    assert rates.knee([1, 2], [False, True]) == {"last_met": None, "falls_below": 1}
+    assert rates.knee([1, 2], [True, True]) == {"last_met": 2, "falls_below": None}
+    dis = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": 0.03, "handoff_s": 0.05,
+            "decode_s": 0.2}, {"status": "failed", "queue_s": 9.0}]
+    col = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": None, "handoff_s": None,
+            "decode_s": 0.2}]
+    b = rates.breakdown(dis)
+    assert b["num_requests"] == 1 and b["dominant"] == "decode" and b["dominant_before_decode"] == "exposed_transfer"
+    assert b["mean_ms"]["exposed_transfer"] == pytest.approx(30.0) and b["mean_ms"]["handoff"] == pytest.approx(20.0)
+    a = rates.against(b, rates.breakdown(col))
+    assert a["grew_most"] == "exposed_transfer" and a["total_extra_ms"] == pytest.approx(50.0)
+    assert rates.against(rates.breakdown([]), b)["grew_most"] is None
+
+
+def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.lesson import rates
+    from experiments.run import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        base = compose("config", overrides=["compare=null", "report=false", "model=llama-3-8b", "hardware=h200"])
+    out = rates.simulated_curves(base, 2, 2048, 64, {"ttft_ms": 1000.0, "tpot_ms": 50.0}, 5e10, "layer",
+                                 [{"layout": "colocated-chunked", "chunk": 512}, {"layout": "1p1d"}],
+                                 [1, 1000], 10, breakdown_rate_per_gpu=1)
+    assert out["gpus"] == 2 and out["costs"] == "roofline h200"
+    for c in out["curves"]:
+        assert len(c["attainment"]) == 2 and all(0 <= a <= 1 for a in c["attainment"])
+        assert c["met"] == [True, False], c            # a trickle is served, a thousand a second per GPU is not
+        assert c["last_met"] == 1 and c["falls_below"] == 1000
+        assert c["breakdown"]["num_requests"] > 0
+    disagg = out["curves"][1]["breakdown"]["mean_ms"]
+    assert disagg["handoff"] + disagg["exposed_transfer"] > 0 == out["curves"][0]["breakdown"]["mean_ms"]["handoff"]

@@ -5,7 +5,8 @@ Every setup (prefill_first, chunked at each chunk size, disaggregated) has its o
 same N decode requests, prefilled to `context` and left decoding. An episode runs `lead` steady steps,
 injects a fresh `prompt_len`-token prompt at that step boundary (the known moment), steps until the
 prompt has its first token (disaggregated: until the decode worker has made its second), runs `tail`
-more steps and aborts the prompt. Episodes run in rounds, one per setup per round in an order rotated
+more steps and aborts the prompt. prefill_first's token budget is the prompt, so the prompt's step
+carries no decode (the original vLLM and Orca-style schedule); chunked's is the decodes plus the chunk. Episodes run in rounds, one per setup per round in an order rotated
 from round to round after a warm-up round, so that drift of the machine hits every setup alike.
 
 Time is each engine's own: the sum of its measured step durations (plus, disaggregated, the measured
@@ -116,11 +117,11 @@ class Bench:
         if setup.policy == "chunked":
             size = prompt_len if chunk == WHOLE else int(chunk)
             policy, budget = "chunked", num_decodes + size
-        elif setup.policy == "prefill_first":
-            policy, budget = "prefill_first", num_decodes + prompt_len
+        elif setup.policy == "prefill_first":        # the prompt fills the step's budget: no decode beside it
+            policy, budget = "prefill_first", prompt_len
         else:                                       # the decode worker never sees a prompt chunk but the import
             policy, budget = "chunked", num_decodes + context
-        self.engine = Engine(model, EngineConfig(policy=policy, token_budget=max(budget, context),
+        self.engine = Engine(model, EngineConfig(policy=policy, token_budget=budget,
                                                  max_batch=num_decodes + 2, block_size=block, num_kv_blocks=blocks,
                                                  max_model_len=max_len))
         self.prefill = None

@@ -176,7 +176,7 @@ def chunking(r: dict, n: int) -> str:
     small = f"chunk {lo['chunk']}"
     trio = [(small, lo), ("prefill_first", pf), ("disaggregated", dis)]
     lines = [
-        f"## {n}. How chunked prefill moves token latency",
+        f"## {n}. Chunked prefill end to end",
         "",
         f"Workload `{ch['workload']}` at {num(ch['rate'])} requests/s, {ch['num_requests']} requests, served end to "
         f"end on {r['gpus']} workers for each chunk size, with prefill_first and disaggregated as references, each "
@@ -244,6 +244,7 @@ def render(results: dict) -> str:
              "below comes from this run (`lesson.json`); estimates are marked as such, and a difference between "
              f"measurements is stated only where their {CI} intervals separate and their medians differ by "
              f"{compare.MIN_DIFFERENCE:.0%} or more.", ""]
+    from experiments.lesson.stall import controlled, on_gpu
     from experiments.lesson.when import when
-    sections = [why, measured, chunking, when, caveats]
+    sections = [why, measured, controlled, chunking, when, on_gpu, caveats]
     return "\n".join(title) + "\n" + "\n\n".join(f(results, i) for i, f in enumerate(sections, 1)) + "\n"
