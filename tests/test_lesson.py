@@ -278,3 +278,58 @@ def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
         assert c["breakdown"]["num_requests"] > 0
     disagg = out["curves"][1]["breakdown"]["mean_ms"]
     assert disagg["handoff"] + disagg["exposed_transfer"] > 0 == out["curves"][0]["breakdown"]["mean_ms"]["handoff"]
+
+
+TINY = ["serve_overrides=['backend=sim','hardware=h200']", "repeats=1",
+        "interference.batches=[2]", "interference.context=32", "interference.chunks=[0,16,64]",
+        "interference.repeats=2", "interference.max_remeasure=0",
+        "chunking_controlled.num_decodes=2", "chunking_controlled.context=16", "chunking_controlled.prompt_len=64",
+        "chunking_controlled.chunks=[16,whole]", "chunking_controlled.repeats=2",
+        "chunking.num_requests=6", "chunking.chunk_sizes=[32,128]",
+        "goodput_vs_rate.measured.chunk=128", "goodput_vs_rate.measured.rates=[24.0]",
+        "goodput_vs_rate.simulated.rates_per_gpu=[1,1000]", "goodput_vs_rate.simulated.requests_per_worker=5",
+        "decision.measured.prompt_lens=[]", "decision.simulated.prompt_lens=[512,4096]",
+        "decision.simulated.output_lens=[256]", "decision.simulated.link_bws=[5e9,5e10]",
+        "decision.simulated.chunks=[512]", "decision.simulated.steps=1", "decision.simulated.requests_per_worker=5"]
+
+
+def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path):
+    """The whole command on a tiny config (served points simulated): structure, keys and shapes, no timing."""
+    out = tmp_path / "lesson"
+    proc = subprocess.run([sys.executable, "-m", "experiments.lesson", *TINY, f"hydra.run.dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (out / "lesson.md").read_text()
+    r = json.loads((out / "lesson.json").read_text())
+    sections = re.findall(r"^## \d+\. (.+)$", text, flags=re.M)
+    assert len(sections) == 7 and "What changes on a GPU" in sections
+    for fig in ("roofline.png", "interference.png", "stall_timeline.png", "chunking_tradeoff.png", "chunking.png",
+                "goodput_vs_rate.png", "breakdown.png", "decision.png", "decision_link.png"):
+        assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text, fig
+    # chunking_controlled: one row per chunk size, [median, low, high] each; the references beside it
+    rows = r["chunking_controlled"]
+    assert [row["chunk"] for row in rows] == [16, "whole"]
+    for row in rows + list(r["stall"]["refs"].values()):
+        for key in ("stall_ms", "ttft_ms"):
+            assert len(row[key]) == 3 and row[key][1] <= row[key][0] <= row[key][2]
+    assert set(r["stall"]["refs"]) == {"prefill_first", "disaggregated"}
+    assert set(r["stall"]["timeline"]) >= {"prefill_first", "chunk 16", "disaggregated"}
+    # goodput against rate, both scales, the knee of every curve
+    g = r["goodput_vs_rate"]
+    for sec in (g["simulated"], g["measured"]):
+        for c in sec["curves"]:
+            assert len(c["attainment"]) == len(c["rates_per_gpu"]) == len(c["met"])
+            assert c["falls_below"] is None or c["falls_below"] in c["rates_per_gpu"]
+    assert [c["falls_below"] for c in g["simulated"]["curves"]] == [1000.0] * 4
+    assert len(g["measured"]["curves"]) == 3 and g["measured"]["curves"][0]["rates"] == [6.0, 24.0]
+    for b in (g["simulated"]["breakdown"], g["measured"]["breakdown"]):
+        assert b["grew_most"] in ("queue", "prefill", "exposed_transfer", "handoff", "decode")
+        assert "the part that grew most against colocated is" in text
+    # the decision map: both SLOs, the shared cell the same in both sweeps
+    for s in r["decision"]["simulated"]["by_slo"].values():
+        bp, bl = s["by_prompt"], s["by_link"]
+        assert bp["winners"][bp["prompt_lens"].index(4096)] == bl["winners"][bl["link_bws"].index(5e10)]
+    assert set(r["decision"]["simulated"]["by_slo"]) == {"loose", "tight"}
+    assert [p["batch"] for p in r["interference"]["points"]] == [2, 2, 2]
+    base = r["interference"]["points"][0]
+    assert f"decode-only step took {__import__('experiments.lesson.text', fromlist=['num']).num(base['step_ms'])} ms" in text

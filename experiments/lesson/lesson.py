@@ -124,7 +124,11 @@ def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str,
         pcfg = compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
         prepared += prepare(pcfg, runs / name, ",".join(overrides))
     out = {}
-    for name, result in zip(named, serve_all(prepared, cfg.repeats)):
+    simulated = {p.spec.backend for p in prepared} == {"sim"}
+    if simulated:                           # as experiments.run does: one simulated repeat, no Ray
+        from experiments.sim.backend import simulate_repeat
+    results = serve_all(prepared, 1, simulate_repeat) if simulated else serve_all(prepared, cfg.repeats)
+    for name, result in zip(named, results):
         if "error" in result:
             raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
         out[name] = summary(result)
@@ -224,6 +228,9 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
     simulated_elapsed = time.time() - started
     lesson_plots.decision_plot(simulated, measured, out / "decision.png",
                                title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
+    figures.link_plot(simulated, out / "decision_link.png",
+                      f"Winner over link bandwidth at {e.crossover_prompt_len}-token prompts and "
+                      f"{e.crossover_output_len}-token outputs ({mcfg.name} on {e.gpus} {hw.name}, KV {e.stream})")
     return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
             "simulated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
                           "stream": e.stream, "source": cells[0]["source"] if cells else None,

@@ -6,7 +6,8 @@ a queue to show), with the costs of the hardware group (or the Costs given). A r
 attainment reaches the target and the cluster kept up (plan.kept_up); `last_met` is the highest grid
 rate met before the first one missed, `falls_below` that first missed rate (None: met everywhere).
 
-`measured_curves`: the same from served runs (median attainment with its interval per rate).
+`measured_curves`: the same from served runs (median attainment with its interval per rate; the knee
+in rates per worker, as the simulated one is per GPU).
 
 `breakdown`: per request, the time from arrival to the last token split into waiting for prefill,
 prefill, the exposed KV transfer, the rest of the handoff and the decode steps (FORMATS.md: queue_s,
@@ -118,8 +119,9 @@ def measured_curves(served: dict[str, dict], modes: list[str], rates: list[float
             att.append(m["slo_attainment"])
             ci.append((m.get("ci") or {}).get("slo_attainment"))
         met = [a is not None and a >= target for a in att]
-        curves.append({"name": mode, "rates": list(rates), "rates_per_gpu": [r / gpus for r in rates],
-                       "attainment": att, "attainment_ci": ci, "met": met, **knee(list(rates), met)})
+        per = [r / gpus for r in rates]
+        curves.append({"name": mode, "rates": list(rates), "rates_per_gpu": per,
+                       "attainment": att, "attainment_ci": ci, "met": met, **knee(per, met)})
     return {"gpus": gpus, "target": target, "curves": curves}
 
 

@@ -34,6 +34,9 @@ def when(r: dict, n: int) -> str:
         "stepmodel.py` states, not a measurement on that GPU. " + STREAM_TEXT.get(est.get("stream", "off"), ""),
         "",
     ]
+    lines += ["![decision over link bandwidth](decision_link.png)", "",
+              "A thick edge in either figure is a crossover. The cell at the map's link bandwidth is one simulation "
+              "that both figures read, so the map and the strip agree on it.", ""]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
     lines.append(_answer(de))
@@ -181,11 +184,11 @@ def rate_lines(r: dict) -> list[str]:
     if meas and meas["curves"]:
         def at(c):
             return ", ".join(
-                f"{num(rate)}/s {compare.with_ci(Estimate('', a * 100, tuple(x * 100 for x in ci) if ci else None))}%"
-                for rate, a, ci in zip(c["rates"], c["attainment"], c["attainment_ci"]) if a is not None)
+                f"at {num(rate)}/s {compare.with_ci(Estimate('', a * 100, tuple(x * 100 for x in ci) if ci else None))}%"
+                for rate, a, ci in zip(c["rates_per_gpu"], c["attainment"], c["attainment_ci"]) if a is not None)
         lines += ["", f"**Measured here** ({r['model']}, {meas['gpus']} workers per mode, workload {meas['workload']}, "
-                      f"{meas['num_requests']} requests a point, {meas['repeats']} repeat(s); SLO attainment as median "
-                      f"[{CI} interval]): " + "; ".join(f"{c['name']}: {at(c)}" for c in meas["curves"]) + ". "
+                      f"{meas['num_requests']} requests a point, {meas['repeats']} repeat(s); rates per worker, SLO attainment "
+                      f"as median [{CI} interval]): " + "; ".join(f"{c['name']}: {at(c)}" for c in meas["curves"]) + ". "
                   + "; ".join(_knee(c, " requests/s per worker") for c in meas["curves"]) + "."]
     lines += ["", "![breakdown](breakdown.png)", "",
               "**Why was disaggregation slower (or faster) here?** " +
