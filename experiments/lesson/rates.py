@@ -1,8 +1,8 @@
 """Goodput against request rate per mode, and where a disaggregated request's time goes.
 
 `simulated_curves`: SLO attainment of each layout on the same GPUs at each rate of a grid, one
-simulation per (layout, rate) with the planner's sizing (experiments/analysis/plan.py: long enough for
-a queue to show), with the costs of the hardware group (or the Costs given). A rate counts as met when
+simulation per (layout, rate) sized as the planner sizes a probe (experiments/analysis/plan.py: long
+enough for a queue to show) up to MAX_REQUESTS, with the costs of the hardware group (or the Costs given). A rate counts as met when
 attainment reaches the target and the cluster kept up (plan.kept_up); `last_met` is the highest grid
 rate met before the first one missed, `falls_below` that first missed rate (None: met everywhere).
 
@@ -21,7 +21,11 @@ import json
 from pathlib import Path
 
 from experiments.analysis.decision_sim import cell_config
-from experiments.analysis.plan import Search, _spec, attainment, kept_up
+import math
+
+from experiments.analysis.plan import HORIZON, Search, _spec, attainment, kept_up
+
+MAX_REQUESTS = 3000       # a curve's simulation at most: past the knee a queue shows long before this
 
 PARTS = ("queue", "prefill", "exposed_transfer", "handoff", "decode")
 PART_NAMES = {"queue": "waiting for prefill", "prefill": "prefill", "exposed_transfer": "exposed KV transfer",
@@ -90,18 +94,25 @@ def simulated_curves(base, gpus: int, prompt_len: int, output_len: int, slo: dic
         spec = _spec(cfg, lay["layout"], gpus, lay.get("chunk"))
         att, met = [], []
         for r in rates:
-            sim = search.run(spec, r * gpus, requests_per_worker * gpus)
+            sim = search.run(spec, r * gpus, _count(r * gpus, gpus, requests_per_worker, slo_s[0]), horizon=False)
             a = attainment(sim, *slo_s)
             att.append(a)
             met.append(bool(a >= search.target and kept_up(sim)))
         row = {"name": _name(lay), **lay, "rates_per_gpu": rates, "attainment": att, "met": met, **knee(rates, met)}
         if breakdown_rate_per_gpu:
-            sim = search.run(spec, breakdown_rate_per_gpu * gpus, requests_per_worker * gpus)
+            rate = breakdown_rate_per_gpu * gpus
+            sim = search.run(spec, rate, _count(rate, gpus, requests_per_worker, slo_s[0]), horizon=False)
             row["breakdown"] = breakdown([_record_row(r) for r in sim.records.values()])
         curves.append(row)
     return {"prompt_len": prompt_len, "output_len": output_len, "slo": dict(slo), "link_bw": link_bw, "stream": stream,
             "gpus": gpus, "target": search.target, "costs": search.costs.source, "num_sims": search.num_sims,
             "breakdown_rate_per_gpu": breakdown_rate_per_gpu, "curves": curves}
+
+
+def _count(rate: float, gpus: int, per_worker: int, ttft_s: float) -> int:
+    """Requests of one curve simulation: the planner's horizon (HORIZON TTFT targets of arrivals, at least
+    `per_worker` a GPU), capped at MAX_REQUESTS so a rate far past the knee stays cheap."""
+    return min(MAX_REQUESTS, max(per_worker * gpus, math.ceil(rate * HORIZON * ttft_s)))
 
 
 def _name(lay: dict) -> str:
