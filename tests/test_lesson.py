@@ -136,10 +136,11 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     text = (out / "lesson.md").read_text()
     results = json.loads((out / "lesson.json").read_text())
     sections = re.split(r"^## ", text, flags=re.M)[1:]
-    assert len(sections) == 5
+    assert len(sections) == 7
     for section in sections:
         assert FIGURE.search(section), f"section without numbers: {section[:60]}"
-    for fig in ("roofline.png", "interference.png", "chunking.png", "decision.png"):
+    for fig in ("roofline.png", "interference.png", "stall_timeline.png", "chunking_tradeoff.png", "chunking.png",
+                "goodput_vs_rate.png", "breakdown.png", "decision.png", "decision_link.png"):
         assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text
     # the numbers in the text are the run's, comparisons worded from their intervals
     from experiments.lesson import lesson, text as lesson_text
@@ -150,9 +151,11 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert f"prefill_first {compare.with_ci(compare.estimate('', pf, 'itl_ms.p99'), ' ms')}" in text
     assert "intervals separate" in text or "no significant" in text
     # the end-to-end points are ordinary run directories, one repeat each in quick mode
-    points = sorted(p.parent.name for p in (out / "runs").rglob("metrics.json") if not p.parent.name.startswith("rep"))
+    points = sorted(p.parent.name for p in (out / "runs" / "chunking").glob("*/metrics.json"))
     assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
+    assert len(list((out / "runs" / "chunking").glob("rate_*/*/metrics.json"))) == 3    # one more rate per mode
+    assert [row["chunk"] for row in results["chunking_controlled"]] == [32, 128, 512, "whole"]
     assert "no cell in this run" in text                   # quick mode measures no decision cell
     sim = results["decision"]["simulated"]                 # the map is simulated, every cell saying with what
     assert sim["source"] == "simulated with roofline h200" and f"every cell {sim['source']}" in text

@@ -6,8 +6,9 @@ same N decode requests, prefilled to `context` and left decoding. An episode run
 injects a fresh `prompt_len`-token prompt at that step boundary (the known moment), steps until the
 prompt has its first token (disaggregated: until the decode worker has made its second), runs `tail`
 more steps and aborts the prompt. prefill_first's token budget is the prompt, so the prompt's step
-carries no decode (the original vLLM and Orca-style schedule); chunked's is the decodes plus the chunk. Episodes run in rounds, one per setup per round in an order rotated
-from round to round after a warm-up round, so that drift of the machine hits every setup alike.
+carries no decode (the original vLLM and Orca-style schedule); chunked's is the decodes plus the chunk.
+Episodes run in rounds, one per setup per round in an order rotated from round to round after a
+warm-up round, so that drift of the machine hits every setup alike.
 
 Time is each engine's own: the sum of its measured step durations (plus, disaggregated, the measured
 KV import on the decode worker), so a gap between episodes or another setup's steps never counts.

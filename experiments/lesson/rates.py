@@ -2,9 +2,10 @@
 
 `simulated_curves`: SLO attainment of each layout on the same GPUs at each rate of a grid, one
 simulation per (layout, rate) sized as the planner sizes a probe (experiments/analysis/plan.py: long
-enough for a queue to show) up to MAX_REQUESTS, with the costs of the hardware group (or the Costs given). A rate counts as met when
-attainment reaches the target and the cluster kept up (plan.kept_up); `last_met` is the highest grid
-rate met before the first one missed, `falls_below` that first missed rate (None: met everywhere).
+enough for a queue to show) up to MAX_REQUESTS, with the costs of the hardware group (experiments/sim/
+backend.costs_for, as the planner takes them). A rate counts as met when attainment reaches the
+target and the cluster kept up (plan.kept_up); `last_met` is the highest grid rate met before the first
+one missed, `falls_below` that first missed rate (None: met everywhere).
 
 `measured_curves`: the same from served runs (median attainment with its interval per rate; the knee
 in rates per worker, as the simulated one is per GPU).
