@@ -69,7 +69,7 @@ def _literal_texts(tree):
             yield n.lineno, n.value
 
 
-@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py", "lesson/words.py"])
+@pytest.mark.parametrize("module", ["lesson/text.py", "lesson/when.py", "lesson/words.py", "lesson/stall.py"])
 def test_no_figure_in_the_lesson_text_is_a_literal(module):
     tree = ast.parse((ROOT / "experiments" / module).read_text())
     offenders = [(line, text) for line, text in _literal_texts(tree) if FIGURE.search(text)]
@@ -136,10 +136,11 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     text = (out / "lesson.md").read_text()
     results = json.loads((out / "lesson.json").read_text())
     sections = re.split(r"^## ", text, flags=re.M)[1:]
-    assert len(sections) == 5
+    assert len(sections) == 7
     for section in sections:
         assert FIGURE.search(section), f"section without numbers: {section[:60]}"
-    for fig in ("roofline.png", "interference.png", "chunking.png", "decision.png"):
+    for fig in ("roofline.png", "interference.png", "stall_timeline.png", "chunking_tradeoff.png", "chunking.png",
+                "goodput_vs_rate.png", "breakdown.png", "decision.png", "decision_link.png"):
         assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text
     # the numbers in the text are the run's, comparisons worded from their intervals
     from experiments.lesson import lesson, text as lesson_text
@@ -150,9 +151,11 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert f"prefill_first {compare.with_ci(compare.estimate('', pf, 'itl_ms.p99'), ' ms')}" in text
     assert "intervals separate" in text or "no significant" in text
     # the end-to-end points are ordinary run directories, one repeat each in quick mode
-    points = sorted(p.parent.name for p in (out / "runs").rglob("metrics.json") if not p.parent.name.startswith("rep"))
+    points = sorted(p.parent.name for p in (out / "runs" / "chunking").glob("*/metrics.json"))
     assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
+    assert len(list((out / "runs" / "chunking").glob("rate_*/*/metrics.json"))) == 3    # one more rate per mode
+    assert [row["chunk"] for row in results["chunking_controlled"]] == [32, 128, 512, "whole"]
     assert "no cell in this run" in text                   # quick mode measures no decision cell
     sim = results["decision"]["simulated"]                 # the map is simulated, every cell saying with what
     assert re.fullmatch(r"simulated with (roofline h200|aiconfigurator h200_sxm vllm .*)", sim["source"])
@@ -200,3 +203,160 @@ def test_roofline_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "experiments.roofline", "hardware.name=tpu",
                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "hardware.name='tpu'" in bad.stderr
+
+
+# -- the controlled chunking experiment, the rate curves and the breakdown ------------------------
+def test_an_episode_counts_the_gaps_while_the_prompt_is_in():
+    from experiments.lesson.controlled import Episode
+
+    # steady 1 s gaps, the prompt in from 3 to 7 with a 3 s gap, then steady again
+    ep = Episode("x", inject_s=3.0, first_token_s=7.0, decode_times={"d0": [1.0, 2.0, 3.0, 4.0, 7.0, 8.0, 9.0]})
+    inside, before = ep.gaps()
+    assert before == [1.0, 1.0] and inside == [1.0, 3.0, 1.0]     # up to the first token after the prompt's
+    m = ep.metrics()
+    assert m["stall_ms"] == pytest.approx(3000.0) and m["ttft_ms"] == pytest.approx(4000.0)
+    assert m["steady_ms"] == pytest.approx(1000.0)
+    ep.window_end_s = 8.0                                          # disaggregated: closes at the decode side's step
+    assert ep.gaps()[0] == [1.0, 3.0, 1.0, 1.0] and ep.metrics()["ttft_ms"] == pytest.approx(4000.0)
+
+
+def test_controlled_experiment_rows_and_timeline_follow_the_schedule():
+    from experiments.lesson import controlled
+
+    model = build_model(model="tiny", seed=0)
+    res = controlled.run(model, [16, 64, "whole"], num_decodes=3, context=32, prompt_len=64, repeats=2, lead=2, tail=1)
+    assert [r["setup"] for r in res["rows"]] == ["prefill_first", "chunk 16", "chunk 64", "chunk whole",
+                                                  "disaggregated"]
+    for r in res["rows"]:
+        assert len(r["samples"]) == 2
+        for key in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms"):
+            med, lo, hi = r[key]
+            assert lo <= med <= hi and med > 0, (r["setup"], key, r[key])
+    tl = res["timeline"]
+    assert set(tl) == {r["setup"] for r in res["rows"]}
+
+    def during(setup):          # each decode's tokens after the arrival, up to the prompt's first token
+        ep = tl[setup]
+        return {len([t for t in ts if 0 < t <= ep["first_token_ms"] + 1e-9]) for ts in ep["decodes"].values()}
+    assert during("prefill_first") == {0}          # the prompt's step runs alone: the decodes stall
+    assert during("chunk 16") == {4}               # a decode token with each of the four chunks
+    assert during("chunk whole") == {1}
+    d = tl["disaggregated"]
+    assert d["joined_ms"] >= d["first_token_ms"] and d["handoff_ms"] > 0 and d["prefill_ms"] > 0
+    assert during("disaggregated") == {len([t for t in next(iter(d["decodes"].values()))
+                                            if 0 < t <= d["first_token_ms"] + 1e-9])}
+    with pytest.raises(ValueError, match="chunking_controlled.chunks"):
+        controlled.run(model, [128], num_decodes=1, context=8, prompt_len=64, repeats=2)
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        controlled.run(model, [16], num_decodes=1, context=8, prompt_len=64, repeats=1)
+
+
+def test_knee_breakdown_and_the_part_that_grew_most():
+    from experiments.lesson import rates
+
+    assert rates.knee([1, 2, 4, 8], [True, True, False, True]) == {"last_met": 2, "falls_below": 4}
+    assert rates.knee([1, 2], [False, True]) == {"last_met": None, "falls_below": 1}
+    assert rates.knee([1, 2], [True, True]) == {"last_met": 2, "falls_below": None}
+    dis = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": 0.03, "handoff_s": 0.05,
+            "decode_s": 0.2}, {"status": "failed", "queue_s": 9.0}]
+    col = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": None, "handoff_s": None,
+            "decode_s": 0.2}]
+    b = rates.breakdown(dis)
+    assert b["num_requests"] == 1 and b["dominant"] == "decode" and b["dominant_before_decode"] == "exposed_transfer"
+    assert b["mean_ms"]["exposed_transfer"] == pytest.approx(30.0) and b["mean_ms"]["handoff"] == pytest.approx(20.0)
+    a = rates.against(b, rates.breakdown(col))
+    assert a["grew_most"] == "exposed_transfer" and a["total_extra_ms"] == pytest.approx(50.0)
+    assert rates.against(rates.breakdown([]), b)["grew_most"] is None
+
+
+def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.lesson import rates
+    from experiments.run import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        base = compose("config", overrides=["compare=null", "report=false", "model=llama-3-8b", "hardware=h200"])
+    out = rates.simulated_curves(base, 2, 2048, 64, {"ttft_ms": 1000.0, "tpot_ms": 50.0}, 5e10, "layer",
+                                 [{"layout": "colocated-chunked", "chunk": 512}, {"layout": "1p1d"}],
+                                 [1, 100], 10, breakdown_rate_per_gpu=1)
+    assert out["gpus"] == 2 and out["costs"] == "roofline h200"
+    for c in out["curves"]:
+        assert len(c["attainment"]) == 2 and all(0 <= a <= 1 for a in c["attainment"])
+        assert c["met"] == [True, False], c            # a trickle is served, a hundred a second per GPU is not
+        assert c["last_met"] == 1 and c["falls_below"] == 100
+        assert c["breakdown"]["num_requests"] > 0
+    disagg = out["curves"][1]["breakdown"]["mean_ms"]
+    assert disagg["handoff"] + disagg["exposed_transfer"] > 0 == out["curves"][0]["breakdown"]["mean_ms"]["handoff"]
+
+
+TINY = ["serve_overrides=['backend=sim','hardware=h200']", "repeats=1",
+        "interference.batches=[2]", "interference.context=32", "interference.chunks=[0,16,64]",
+        "interference.repeats=2", "interference.max_remeasure=0",
+        "chunking_controlled.num_decodes=2", "chunking_controlled.context=16", "chunking_controlled.prompt_len=64",
+        "chunking_controlled.chunks=[16,whole]", "chunking_controlled.repeats=2",
+        "chunking.num_requests=6", "chunking.chunk_sizes=[32,128]",
+        "goodput_vs_rate.measured.chunk=128", "goodput_vs_rate.measured.rates=[24.0]",
+        "goodput_vs_rate.simulated.rates_per_gpu=[1,100]", "goodput_vs_rate.simulated.requests_per_worker=5",
+        "decision.measured.prompt_lens=[]", "decision.simulated.prompt_lens=[512,4096]",
+        "decision.simulated.output_lens=[256]", "decision.simulated.link_bws=[5e9,5e10]",
+        "decision.simulated.chunks=[512]", "decision.simulated.steps=1", "decision.simulated.requests_per_worker=5"]
+
+
+def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, monkeypatch):
+    """The whole lesson on a tiny config, in process: the served points simulated, the decision map's cells
+    faked (tests/test_decision.py and the tests above check them), everything else real. Structure, keys and
+    shapes; no timing."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.analysis import decision_sim
+    from experiments.lesson import lesson
+    from experiments.run import CONF_DIR
+
+    calls = []
+
+    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off"):
+        calls.append((slo["tpot_ms"], lp, lo, bw, stream))
+        winner = "disaggregated" if slo["tpot_ms"] < 10 and bw > 1e10 else "colocated_chunked"
+        return {"prompt_len": lp, "output_len": lo, "winner": winner, "source": "simulated with fake", "num_sims": 1,
+                "modes": {winner: {"goodput_per_gpu": 1.0, "layout": winner, "how": "fake"}}}
+    monkeypatch.setattr(decision_sim, "simulate_cell", fake_cell)
+    out = tmp_path / "lesson"
+    out.mkdir()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        lesson.run(compose("lesson", overrides=TINY), out)
+    assert len(calls) == len(set(calls))                   # no cell simulated twice
+    text = (out / "lesson.md").read_text()
+    r = json.loads((out / "lesson.json").read_text())
+    sections = re.findall(r"^## \d+\. (.+)$", text, flags=re.M)
+    assert len(sections) == 7 and "What changes on a GPU" in sections
+    for fig in ("roofline.png", "interference.png", "stall_timeline.png", "chunking_tradeoff.png", "chunking.png",
+                "goodput_vs_rate.png", "breakdown.png", "decision.png", "decision_link.png"):
+        assert (out / fig).read_bytes()[:4] == b"\x89PNG" and f"]({fig})" in text, fig
+    # chunking_controlled: one row per chunk size, [median, low, high] each; the references beside it
+    rows = r["chunking_controlled"]
+    assert [row["chunk"] for row in rows] == [16, "whole"]
+    for row in rows + list(r["stall"]["refs"].values()):
+        for key in ("stall_ms", "ttft_ms"):
+            assert len(row[key]) == 3 and row[key][1] <= row[key][0] <= row[key][2]
+    assert set(r["stall"]["refs"]) == {"prefill_first", "disaggregated"}
+    assert set(r["stall"]["timeline"]) >= {"prefill_first", "chunk 16", "disaggregated"}
+    # goodput against rate, both scales, the knee of every curve
+    g = r["goodput_vs_rate"]
+    for sec in (g["simulated"], g["measured"]):
+        for c in sec["curves"]:
+            assert len(c["attainment"]) == len(c["rates_per_gpu"]) == len(c["met"])
+            assert c["falls_below"] is None or c["falls_below"] in c["rates_per_gpu"]
+    assert [c["falls_below"] for c in g["simulated"]["curves"]] == [100.0] * 4
+    assert len(g["measured"]["curves"]) == 3 and g["measured"]["curves"][0]["rates"] == [6.0, 24.0]
+    for b in (g["simulated"]["breakdown"], g["measured"]["breakdown"]):
+        assert b["grew_most"] in ("queue", "prefill", "exposed_transfer", "handoff", "decode")
+        assert "the part that grew most against colocated is" in text
+    # the decision map: both SLOs, the shared cell the same in both sweeps
+    for s in r["decision"]["simulated"]["by_slo"].values():
+        bp, bl = s["by_prompt"], s["by_link"]
+        assert bp["winners"][bp["prompt_lens"].index(4096)] == bl["winners"][bl["link_bws"].index(5e10)]
+    assert set(r["decision"]["simulated"]["by_slo"]) == {"loose", "tight"}
+    assert [p["batch"] for p in r["interference"]["points"]] == [2, 2, 2]
+    base = r["interference"]["points"][0]
+    assert f"decode-only step took {__import__('experiments.lesson.text', fromlist=['num']).num(base['step_ms'])} ms" in text

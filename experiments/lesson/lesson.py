@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
-from experiments.lesson import plots as lesson_plots, text as lesson_text
+from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
 from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
 from experiments.serving.machine import snapshot, usage
@@ -89,14 +89,53 @@ def measured_points(mcfg, gpu: str, dtype_bytes: int, pts, context: int) -> tupl
 # -- 2. interference, measured -------------------------------------------------------------------
 def interference_section(cfg: DictConfig, model, hw, device: str, out: Path) -> dict:
     i = cfg.interference
+    chunks, dropped = fitting_chunks(list(i.chunks), i.context, model.cfg.max_position_embeddings)
     before = snapshot()
-    pts = measure(model, hw, list(i.batches), i.context, list(i.chunks), repeats=i.repeats, seed=cfg.seed,
+    pts = measure(model, hw, list(i.batches), i.context, chunks, repeats=i.repeats, seed=cfg.seed,
                   max_remeasure=i.max_remeasure)
     machine = usage(before, snapshot())
     lesson_plots.interference_plot(pts, out / "interference.png", device)
     return {"device": device, "hardware": asdict(hw), "context": i.context, "repeats": i.repeats,
             "max_remeasure": i.max_remeasure, "points": [p.to_dict() for p in pts], "gap": gap_summary(pts),
-            "machine": machine}
+            "machine": machine, "chunks_dropped": dropped}
+
+
+def fitting_chunks(chunks: list[int], context: int, max_positions: int) -> tuple[list[int], list[int]]:
+    """The chunk sizes a model's positions allow beside decodes at `context` (with room for the steps
+    measured), and those dropped: the sizes of the config are scaled down to the model this way."""
+    room = max_positions - context - 64
+    if room < 1:
+        raise ValueError(f"interference.context={context} leaves no room for a chunk in {max_positions} positions")
+    return [c for c in chunks if c <= room], [c for c in chunks if c > room]
+
+
+# -- 2b. the stall made visible, and chunked prefill as a controlled experiment ---------------------
+def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[list[dict], dict]:
+    """(`chunking_controlled`: one row per chunk size, `stall`: the setting, the references and the
+    timeline) from experiments/lesson/controlled.py."""
+    c = cfg.chunking_controlled
+    chunks = [ch if ch == controlled.WHOLE else int(ch) for ch in c.chunks]
+    before = snapshot()
+    res = controlled.run(model, chunks, c.num_decodes, c.context, c.prompt_len, c.repeats, c.lead, c.tail,
+                         float(c.link_bw), cfg.seed)
+    machine = usage(before, snapshot())
+    rows = [{"chunk": r["chunk"], **{k: r[k] for k in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms")},
+             "samples": r["samples"]} for r in res["rows"] if r["policy"] == "chunked"]
+    refs = {r["setup"]: {k: r[k] for k in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms", "samples")}
+            for r in res["rows"] if r["policy"] != "chunked"}
+    shown = [name for name in ("prefill_first", f"chunk {chunks[0]}",
+                               f"chunk {chunks[len(chunks) // 2]}" if len(chunks) > 2 else f"chunk {chunks[-1]}",
+                               "disaggregated") if name in res["timeline"]]
+    timeline = {name: res["timeline"][name] for name in dict.fromkeys(shown)}
+    figures.timeline_plot(timeline, out / "stall_timeline.png",
+                          f"{c.num_decodes} decodes running at context {c.context} while a {c.prompt_len}-token "
+                          f"prompt arrives ({model.cfg.name} on {device}; the median round)")
+    figures.tradeoff_plot(res["rows"], out / "chunking_tradeoff.png",
+                          f"Chunk size trades the decodes' stall against the prompt's TTFT ({c.repeats} rounds, "
+                          "median and 95% interval)")
+    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw")}
+    stall |= {"device": device, "refs": refs, "timeline": timeline, "machine": machine}
+    return rows, stall
 
 
 # -- serving points through the run machinery ---------------------------------------------------
@@ -108,7 +147,11 @@ def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str,
         pcfg = compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
         prepared += prepare(pcfg, runs / name, ",".join(overrides))
     out = {}
-    for name, result in zip(named, serve_all(prepared, cfg.repeats)):
+    simulated = {p.spec.backend for p in prepared} == {"sim"}
+    if simulated:                           # as experiments.run does: one simulated repeat, no Ray
+        from experiments.sim.backend import simulate_repeat
+    results = serve_all(prepared, 1, simulate_repeat) if simulated else serve_all(prepared, cfg.repeats)
+    for name, result in zip(named, results):
         if "error" in result:
             raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
         out[name] = summary(result)
@@ -118,7 +161,7 @@ def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str,
 def common(cfg: DictConfig) -> list[str]:
     model = [f"model={cfg.model.name}"] + ([f"model.checkpoint={cfg.model.checkpoint}"] if cfg.model.checkpoint else [])
     slo = [f"slo.{k}={v}" for k, v in cfg.slo.items()]
-    return [*model, *slo, f"seed={cfg.seed}", f"cluster.gpus={cfg.gpus}"]
+    return [*model, *slo, f"seed={cfg.seed}", f"cluster.gpus={cfg.gpus}", *cfg.get("serve_overrides", [])]
 
 
 def summary(metrics: dict) -> dict:
@@ -133,19 +176,50 @@ def summary(metrics: dict) -> dict:
 
 
 # -- 3. chunked prefill and token latency --------------------------------------------------------
-def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
-    c = cfg.chunking
-    base = common(cfg) + [f"workload={c.workload}", f"workload.rate={c.rate}", f"workload.num_requests={c.num_requests}"]
-    named = {f"chunked_{size}": base + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
+def served_modes(cfg: DictConfig) -> dict[str, list[str]]:
+    """The measured rate curve's modes: name -> layout overrides."""
+    return {"colocated prefill_first": ["layout=colocated-prefill_first"],
+            f"colocated chunked (chunk {cfg.goodput_vs_rate.measured.chunk})":
+                ["layout=colocated-chunked", f"scheduler.token_budget={cfg.goodput_vs_rate.measured.chunk}"],
+            f"disaggregated {_disagg(cfg.gpus)}": [f"layout={_disagg(cfg.gpus)}"]}
+
+
+def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict]:
+    """(the end-to-end chunking comparison, the measured goodput against rate): served together, round-robin,
+    the chunking workload's rate being one point of each curve (the same runs)."""
+    c, g = cfg.chunking, cfg.goodput_vs_rate.measured
+    def base(rate):
+        return common(cfg) + [f"workload={c.workload}", f"workload.rate={rate}", f"workload.num_requests={c.num_requests}"]
+    named = {f"chunked_{size}": base(c.rate) + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
              for size in c.chunk_sizes}
-    named |= {"prefill_first": base + ["layout=colocated-prefill_first"],
-              "disaggregated": base + [f"layout={_disagg(cfg.gpus)}"]}
+    named |= {"prefill_first": base(c.rate) + ["layout=colocated-prefill_first"],
+              "disaggregated": base(c.rate) + [f"layout={_disagg(cfg.gpus)}"]}
+    same = {"colocated prefill_first": "prefill_first", f"disaggregated {_disagg(cfg.gpus)}": "disaggregated",
+            f"colocated chunked (chunk {g.chunk})": f"chunked_{g.chunk}"}
+    curve_rates = sorted({float(c.rate), *(float(r) for r in g.rates)})
+    alias = {}
+    for mode, over in served_modes(cfg).items():
+        for r in curve_rates:
+            key = f"{mode}@{r:g}"
+            if r == float(c.rate) and same[mode] in named:
+                alias[key] = same[mode]
+            else:
+                alias[key] = f"rate_{r:g}/{mode.replace(' ', '_').replace('(', '').replace(')', '')}"
+                named[alias[key]] = base(r) + over
     served = serve(cfg, named, runs)
     chunked = [{"chunk": size, **served[f"chunked_{size}"]} for size in c.chunk_sizes]
     refs = {k: served[k] for k in ("prefill_first", "disaggregated")}
     lesson_plots.chunking_plot(chunked, refs, out / "chunking.png")
-    return {"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
-            "chunked": chunked, "refs": refs}
+    curves = rates.measured_curves({k: served[v] for k, v in alias.items()}, list(served_modes(cfg)), curve_rates,
+                                   float(cfg.slo.attainment_target), cfg.gpus)
+    curves |= {"workload": c.workload, "num_requests": c.num_requests, "repeats": cfg.repeats,
+               "runs": {k: str(runs / v) for k, v in alias.items()}}
+    colo = f"chunked_{g.chunk}" if f"chunked_{g.chunk}" in named else "prefill_first"
+    curves["breakdown"] = rates.against(rates.breakdown(rates.run_rows(runs / "disaggregated")),
+                                        rates.breakdown(rates.run_rows(runs / colo)))
+    curves["breakdown"] |= {"rate": c.rate, "colocated_point": colo}
+    return ({"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
+             "chunked": chunked, "refs": refs}, curves)
 
 
 # -- 4. when to disaggregate ---------------------------------------------------------------------
@@ -174,14 +248,51 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
         list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
         e.steps, e.stream)
     cells = [c for s in simulated.values() for c in s["grid"]]
+    simulated_elapsed = time.time() - started
     lesson_plots.decision_plot(simulated, measured, out / "decision.png",
                                title=f"{mcfg.name} on {hw.name}, {e.gpus} GPUs, KV link {e.link_bw / 1e9:g} GB/s")
+    figures.link_plot(simulated, out / "decision_link.png",
+                      f"Winner over link bandwidth at {e.crossover_prompt_len}-token prompts and "
+                      f"{e.crossover_output_len}-token outputs ({mcfg.name} on {e.gpus} {hw.name}, KV {e.stream})")
     return {"measured": measured, "measured_gpus": cfg.gpus, "measured_rate": m.rate,
             "simulated": {"model": mcfg.name, "hardware": hw.name, "gpus": e.gpus, "link_bw": e.link_bw,
                           "stream": e.stream, "source": cells[0]["source"] if cells else None,
-                          "elapsed_s": time.time() - started, "num_sims": sum(c["num_sims"] for c in cells),
+                          "elapsed_s": simulated_elapsed, "num_sims": sum(c["num_sims"] for c in cells),
                           "crossover_output_len": e.crossover_output_len,
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
+
+
+def rate_curves_simulated(cfg: DictConfig, out: Path, measured: dict | None) -> dict:
+    """Goodput against rate at GPU scale (experiments/lesson/rates.py), on the decision map's GPUs and link."""
+    e, g = cfg.decision.simulated, cfg.goodput_vs_rate.simulated
+    base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
+                                        f"seed={cfg.seed}"])
+    slos = {k: dict(v) for k, v in e.slos.items() if v}
+    if g.slo not in slos:
+        raise ValueError(f"goodput_vs_rate.simulated.slo={g.slo!r}: choose one of decision.simulated.slos "
+                         f"({', '.join(slos)})")
+    layouts = [{"layout": lay.layout, "chunk": lay.get("chunk")} for lay in g.layouts]
+    started = time.time()
+    sim = rates.simulated_curves(base, e.gpus, g.prompt_len, g.output_len, slos[g.slo], e.link_bw, e.stream, layouts,
+                                 list(g.rates_per_gpu), g.requests_per_worker, g.breakdown_rate_per_gpu, cfg.seed)
+    sim |= {"slo_name": g.slo, "model": e.model, "hardware": e.hardware, "elapsed_s": time.time() - started}
+    colo = next((c for c in sim["curves"] if c["layout"] == "colocated-chunked"), sim["curves"][0])
+    splits = [c for c in sim["curves"] if not c["layout"].startswith("colocated")]
+    if splits:
+        top = max(splits, key=lambda c: (c["last_met"] or 0.0))
+        sim["breakdown"] = rates.against(top["breakdown"], colo["breakdown"]) | {
+            "disaggregated_layout": top["name"], "colocated_layout": colo["name"], "rate_per_gpu": g.breakdown_rate_per_gpu}
+    figures.goodput_rate_plot(
+        sim, measured, out / "goodput_vs_rate.png",
+        (f"simulated: {e.model} on {e.gpus} {e.hardware}, prompt {g.prompt_len}, output {g.output_len}, {g.slo} SLO",
+         f"measured here: {cfg.model.name} on {cfg.gpus} workers, workload {cfg.chunking.workload}"))
+    bars = []
+    for tag, b in (("simulated", sim.get("breakdown")), ("measured", (measured or {}).get("breakdown"))):
+        if b:
+            bars += [(f"{tag}: {b.get('disaggregated_layout', 'disaggregated')}", b["disaggregated"]),
+                     (f"{tag}: {b.get('colocated_layout', b.get('colocated_point', 'colocated'))}", b["colocated"])]
+    figures.breakdown_plot(bars, out / "breakdown.png", "Where a request's time goes: disaggregated against colocated")
+    return sim
 
 
 def _winner(modes: dict) -> str:
@@ -208,15 +319,19 @@ def run(cfg: DictConfig, out: Path) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} threads"
     results = {"device": where, "model": model.cfg.name, "dtype": str(dtype).removeprefix("torch."),
                "quick": bool(cfg.quick), "gpus": cfg.gpus}
-    print(f"1/4 roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
+    print(f"1/6 roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
     results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
-    print(f"2/4 interference measured on {where}")
+    print(f"2/6 interference measured on {where}")
     results["interference"] = interference_section(cfg, model, hw, where, out)
+    print(f"3/6 the stall and chunked prefill, controlled, on {where}")
+    results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
     del model
     runs = out / "runs"
-    print("3/4 chunked prefill end to end")
-    results["chunking"] = chunking_section(cfg, runs / "chunking", out)
-    print("4/4 when to disaggregate")
+    print("4/6 chunked prefill end to end, and goodput against rate, served here")
+    results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
+    print("5/6 goodput against rate at GPU scale, simulated")
+    results["goodput_vs_rate"] = {"measured": measured, "simulated": rate_curves_simulated(cfg, out, measured)}
+    print("6/6 the decision map, simulated")
     results["decision"] = decision_section(cfg, runs / "decision", out)
     results["elapsed_s"] = time.time() - started
     (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))

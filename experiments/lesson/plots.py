@@ -89,7 +89,9 @@ def interference_plot(points, path, device: str) -> None:
 def _value_ci(m: dict, key: str) -> tuple[float, list[float]]:
     section, stat = key.split(".")
     v = m[section][stat]
-    ci = (m.get("ci") or {}).get(key) or [v, v]
+    ci = (m.get("ci") or {}).get(key)
+    if not ci or None in ci:
+        ci = [v, v]
     return v, [v - ci[0], ci[1] - v]
 
 
@@ -142,6 +144,12 @@ def _cells(ax, rows: list[dict], tag: str, title: str) -> None:
         short = CELL_NAMES.get(winner, f"disagg. {winner}")
         text = f"{short}\n{best:.3g}/s/GPU" if best is not None else short
         ax.text(i, j, f"{text}\n({tag})", ha="center", va="center", fontsize=6.5)
+    won = {(xs.index(r["prompt_len"]), ys.index(r["output_len"])): r["winner"] for r in rows}
+    for (i, j), w in won.items():          # the crossovers: a thick edge wherever neighbours' winners differ
+        if (i + 1, j) in won and won[(i + 1, j)] != w:
+            ax.plot([i + 0.5, i + 0.5], [j - 0.5, j + 0.5], color="black", lw=3)
+        if (i, j + 1) in won and won[(i, j + 1)] != w:
+            ax.plot([i - 0.5, i + 0.5], [j + 0.5, j + 0.5], color="black", lw=3)
     ax.set_xticks(range(len(xs)), [str(x) for x in xs])
     ax.set_yticks(range(len(ys)), [str(y) for y in ys])
     ax.set_xlim(-0.5, len(xs) - 0.5)

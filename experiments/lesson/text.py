@@ -3,15 +3,12 @@ comparison is worded by experiments/serving/compare.py from medians and interval
 only (tests/test_lesson.py checks that no string literal has a number)."""
 from __future__ import annotations
 
+from experiments.lesson.stall import controlled, on_gpu
 from experiments.lesson.when import when
-from experiments.lesson.words import CI, cell, num
+from experiments.lesson.words import CI, cell, find, num
 from experiments.serving import compare
 from experiments.serving.compare import Estimate
 from experiments.serving.machine import SHARED, load_warning
-
-
-def find(points: list[dict], step: str) -> dict:
-    return next(p for p in points if p["step"] == step)
 
 
 def _cpu(results: dict) -> bool:
@@ -175,7 +172,7 @@ def chunking(r: dict, n: int) -> str:
     small = f"chunk {lo['chunk']}"
     trio = [(small, lo), ("prefill_first", pf), ("disaggregated", dis)]
     lines = [
-        f"## {n}. How chunked prefill moves token latency",
+        f"## {n}. Chunked prefill end to end",
         "",
         f"Workload `{ch['workload']}` at {num(ch['rate'])} requests/s, {ch['num_requests']} requests, served end to "
         f"end on {r['gpus']} workers for each chunk size, with prefill_first and disaggregated as references, each "
@@ -238,5 +235,5 @@ def render(results: dict) -> str:
              "below comes from this run (`lesson.json`); estimates are marked as such, and a difference between "
              f"measurements is stated only where their {CI} intervals separate and their medians differ by "
              f"{compare.MIN_DIFFERENCE:.0%} or more.", ""]
-    sections = [why, measured, chunking, when, caveats]
+    sections = [why, measured, controlled, chunking, when, on_gpu, caveats]
     return "\n".join(title) + "\n" + "\n\n".join(f(results, i) for i, f in enumerate(sections, 1)) + "\n"

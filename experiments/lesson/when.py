@@ -4,12 +4,14 @@ planner's search in the simulator, with the costs each cell names). Words only, 
 from __future__ import annotations
 
 from experiments.lesson.words import CI, cell, name, num
+from experiments.serving import compare
+from experiments.serving.compare import Estimate
 
 
 def when(r: dict, n: int) -> str:
     de = r["decision"]
     est = de["simulated"]
-    lines = [f"## {n}. When to disaggregate", "", "![decision](decision.png)", ""]
+    lines = [f"## {n}. When to disaggregate", "", *rate_lines(r), "![decision](decision.png)", ""]
     if de["measured"]:
         layouts = list(de["measured"][0]["modes"])
         head = "| prompt | output | " + " | ".join(f"{name(lay)} goodput/GPU" for lay in layouts) + " | winner |"
@@ -32,6 +34,9 @@ def when(r: dict, n: int) -> str:
         + STREAM_TEXT.get(est.get("stream", "off"), ""),
         "",
     ]
+    lines += ["![decision over link bandwidth](decision_link.png)", "",
+              "A thick edge in either figure is a crossover. The cell at the map's link bandwidth is one simulation "
+              "that both figures read, so the map and the strip agree on it.", ""]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
     lines.append(_answer(de))
@@ -144,3 +149,62 @@ def _answer(de: dict) -> str:
     here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
             "significant winner." if measured else " Nothing was measured here in this run.")
     return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}"
+
+
+def _knee(c: dict, unit: str) -> str:
+    if c["falls_below"] is None:
+        return f"{c['name']} meets the target at every rate tried (up to {num(c['rates_per_gpu'][-1])}{unit})"
+    if c["last_met"] is None:
+        return f"{c['name']} misses it already at {num(c['falls_below'])}{unit}"
+    return f"{c['name']} meets it up to {num(c['last_met'])}{unit} and falls below at {num(c['falls_below'])}{unit}"
+
+
+def _breakdown(b: dict | None, where: str) -> str:
+    from experiments.lesson.rates import PART_NAMES, PARTS
+
+    if not b or b.get("extra_ms") is None:
+        return f"{where}: no breakdown (no completed request on one side)."
+    d, co, extra = b["disaggregated"], b["colocated"], b["extra_ms"]
+    parts = ", ".join(f"{PART_NAMES[p]} {num(d['mean_ms'][p])} ({num(extra[p])} against colocated)" for p in PARTS)
+    slower = "more" if b["total_extra_ms"] > 0 else "less"
+    return (f"{where}: a disaggregated request took {num(d['total_ms'])} ms on average against {num(co['total_ms'])} ms "
+            f"colocated ({num(abs(b['total_extra_ms']))} ms {slower}, means over {d['num_requests']} and "
+            f"{co['num_requests']} requests): {parts} ms. Its largest part is {PART_NAMES[d['dominant']]}; before the "
+            f"decode steps, {PART_NAMES[d['dominant_before_decode']]}; the part that grew most against colocated is "
+            f"**{PART_NAMES[b['grew_most']]}**.")
+
+
+def rate_lines(r: dict) -> list[str]:
+    """Goodput against rate (measured here and simulated at GPU scale) and the breakdown of a request's time."""
+    g = r.get("goodput_vs_rate")
+    if not g:
+        return []
+    sim, meas = g["simulated"], g["measured"]
+    lines = ["![goodput against rate](goodput_vs_rate.png)", ""]
+    lines.append(
+        f"**Goodput against rate, simulated** for {sim['model']} on {sim['gpus']} {sim['hardware']} GPUs ({sim['costs']}), "
+        f"prompts of {sim['prompt_len']} and outputs of {sim['output_len']} tokens, the {sim['slo_name']} SLO (TTFT "
+        f"{num(sim['slo']['ttft_ms'])} ms, TPOT {num(sim['slo']['tpot_ms'])} ms), target {sim['target']:.0%} of requests "
+        f"within both, a rate met only if the cluster also kept up ({sim['num_sims']} simulations): "
+        + "; ".join(_knee(c, " requests/s per GPU") for c in sim["curves"]) + ".")
+    best = max(sim["curves"], key=lambda c: (c["last_met"] or 0.0))
+    lines += ["", f"The most load within the target on these GPUs: {best['name']}"
+              + (f", up to {num(best['last_met'])} requests/s per GPU." if best["last_met"] else ": none.")]
+    if meas and meas["curves"]:
+        def at(c):
+            return ", ".join(
+                f"at {num(rate)}/s {compare.with_ci(Estimate('', a * 100, tuple(x * 100 for x in ci) if ci else None))}%"
+                for rate, a, ci in zip(c["rates_per_gpu"], c["attainment"], c["attainment_ci"]) if a is not None)
+        lines += ["", f"**Measured here** ({r['model']}, {meas['gpus']} workers per mode, workload {meas['workload']}, "
+                      f"{meas['num_requests']} requests a point, {meas['repeats']} repeat(s); rates per worker, SLO attainment "
+                      f"as median [{CI} interval]): " + "; ".join(f"{c['name']}: {at(c)}" for c in meas["curves"]) + ". "
+                  + "; ".join(_knee(c, " requests/s per worker") for c in meas["curves"]) + "."]
+    lines += ["", "![breakdown](breakdown.png)", "",
+              "**Why was disaggregation slower (or faster) here?** " +
+              _breakdown(sim.get("breakdown"), f"Simulated at {num(sim['breakdown_rate_per_gpu'])} requests/s per "
+                         f"GPU, {(sim.get('breakdown') or {}).get('disaggregated_layout')} against "
+                         f"{(sim.get('breakdown') or {}).get('colocated_layout')}")]
+    if meas and meas.get("breakdown"):
+        mb = meas["breakdown"]
+        lines += ["", _breakdown(mb, f"Measured here at {num(mb['rate'])} requests/s against {mb['colocated_point']}")]
+    return lines + [""]

@@ -27,3 +27,7 @@ def name(mode) -> str:
 def cell(m: dict, key: str, scale: float = 1) -> str:
     e = compare.estimate("", m, key, scale)
     return compare.with_ci(e, digits=None)
+
+
+def find(points: list[dict], step: str) -> dict:
+    return next(p for p in points if p["step"] == step)
