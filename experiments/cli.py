@@ -15,7 +15,7 @@ COMMANDS = {   # name: (module, what it does)
     "lesson": ("experiments.lesson", "the lesson: why the phases interfere, when to disaggregate, chunking"),
     "report": ("experiments.report", "rebuild a report from run directories"),
     "roofline": ("experiments.roofline", "roofline step times of a model on datasheet GPUs"),
-    "costs": ("experiments.sim.costs", "GPU step times from each cost source side by side"),
+    "costs": ("experiments.sim.cost_table", "GPU step times from each cost source side by side"),
     "profile": ("experiments.profile", "profile this device's step times for the simulator"),
     "validate": ("experiments.validate", "the simulator against a real run (and a real run against another)"),
     "plan": ("experiments.plan", "plan a deployment: colocated or disaggregated, and the P:D split"),

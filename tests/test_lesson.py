@@ -276,7 +276,8 @@ def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
     from experiments.run import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        base = compose("config", overrides=["compare=null", "report=false", "model=llama-3-8b", "hardware=h200"])
+        base = compose("config", overrides=["compare=null", "report=false", "model=llama-3-8b", "hardware=h200",
+                                               "hardware.costs=roofline"])   # with or without aiconfigurator
     out = rates.simulated_curves(base, 2, 2048, 64, {"ttft_ms": 1000.0, "tpot_ms": 50.0}, 5e10, "layer",
                                  [{"layout": "colocated-chunked", "chunk": 512}, {"layout": "1p1d"}],
                                  [1, 100], 10, breakdown_rate_per_gpu=1)

@@ -117,3 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(result))
     print(json.dumps(result))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

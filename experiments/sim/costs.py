@@ -139,6 +139,8 @@ def from_gpu(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | 
 
 
 if __name__ == "__main__":
-    # python -m experiments.sim.costs model=llama-3-8b hardware=h200: step times from each source side by side
-    from experiments.sim.cost_table import main
-    raise SystemExit(main())
+    # python -m experiments.sim.costs model=llama-3-8b hardware=h200 is the command of cost_table.py (pdlab
+    # costs), run as a script: that command composes the simulator above this module, which no import here
+    # may reach
+    import runpy
+    runpy.run_module("experiments.sim.cost_table", run_name="__main__", alter_sys=True)
