@@ -93,7 +93,11 @@ class Router(RouterThreads, RouterEvents):
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._victim = pool.find(faults.kill_worker) if faults.kill_worker else None
+        self._victim = None
+        if faults.kill_worker and any(x["worker"] == faults.kill_worker for x in getattr(pool, "lost", ())):
+            log.warning("fault.kill_worker=%s: that worker was lost during start-up; nothing to kill", faults.kill_worker)
+        elif faults.kill_worker:
+            self._victim = pool.find(faults.kill_worker)
         self._killed: set[int] = set()        # ranks killed by fault injection (their deaths are expected)
         self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
         self._num_attempts = 0

@@ -23,22 +23,26 @@ worker takes no more KV).
 An idle receiver waits for the next preamble without a deadline (gloo would otherwise time out an
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
-(pool.py), and gloo/NCCL use the network interface that carries it. On a GPU each channel and
+(cluster/wiring.py), and gloo/NCCL use the network interface whose network holds it, or the one
+transfer.socket_ifname names (cluster/transfer/netif.py).
+
+Workers are named by their pool ranks; the group's own ranks are their places in `members` (the
+workers a group formed with: a group formed again without a lost worker renumbers, the pool's
+ranks stay). On a GPU each channel and
 receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine.
 """
 from __future__ import annotations
 
 import datetime
-import fcntl
 import os
 import socket
-import struct
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from cluster.transfer.netif import interface_for
 from cluster.transfer.base import Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, frames
 from cluster.transfer.wire import (MAX_HEADER_BYTES, WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta,
                                    WireError, decode_cancel, decode_end, decode_header, decode_part)
@@ -59,18 +63,13 @@ def _own_stream(device: torch.device) -> None:
         torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
-def interface_for(address: str) -> str:
-    """The name of the network interface that carries `address` (Linux), e.g. "lo" for 127.0.0.1."""
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue                                # no IPv4 address on this interface
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    raise ValueError(f"no network interface has the address {address!r}")
+def leave_group() -> None:
+    """Leave the process group this process joined (or half-joined), so that it can join another."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def bound_listener(host: str) -> socket.socket:
@@ -102,16 +101,17 @@ class NcclChannel:
     def __init__(self, transport: "NcclTransport", dst: int):
         self.t = transport
         self.dst = dst
+        self.to = transport.peer[dst]          # its group rank
         self.group = transport.groups[(transport.rank, dst)]
         _own_stream(transport.device)   # channels are made and used in their sender thread
 
     def _message(self, kind: int, meta: bytes, payload: torch.Tensor | None = None) -> None:
         dev = self.t.device
         size = 0 if payload is None else payload.numel() * payload.element_size()
-        dist.send(torch.tensor([kind, len(meta), size], dtype=torch.int64, device=dev), self.dst, group=self.group)
-        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), self.dst, group=self.group)
+        dist.send(torch.tensor([kind, len(meta), size], dtype=torch.int64, device=dev), self.to, group=self.group)
+        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), self.to, group=self.group)
         if payload is not None:
-            dist.send(payload.contiguous().reshape(-1).view(torch.uint8), self.dst, group=self.group)
+            dist.send(payload.contiguous().reshape(-1).view(torch.uint8), self.to, group=self.group)
 
     def begin(self, handoff: KVHandoff) -> None:
         encoded = handoff.encode()
@@ -119,7 +119,7 @@ class NcclChannel:
             raise TransferRefused(f"header of {len(encoded)} bytes exceeds {MAX_HEADER_BYTES}")
         self._message(BEGIN, encoded)
         reply = torch.empty(REPLY_BYTES, dtype=torch.uint8, device=self.t.device)
-        dist.recv(reply, self.dst, group=self.group)
+        dist.recv(reply, self.to, group=self.group)
         refused = _refusal(reply)
         if refused is not None:
             raise TransferRefused(f"refused by the receiver: {refused}")
@@ -140,7 +140,7 @@ class NcclChannel:
 
     def close(self) -> None:
         """Tell the receiver this stream is over."""
-        dist.send(torch.zeros(3, dtype=torch.int64, device=self.t.device), self.dst, group=self.group)
+        dist.send(torch.zeros(3, dtype=torch.int64, device=self.t.device), self.to, group=self.group)
         _sync(self.t.device)
 
 
@@ -148,23 +148,30 @@ class NcclTransport:
     name = "nccl"
 
     def __init__(self, cfg: TransferConfig, rank: int, world_size: int, store_host: str, store_port: int,
-                 pairs: list[tuple[int, int]], device: torch.device, bind_host: str = "127.0.0.1"):
+                 pairs: list[tuple[int, int]], device: torch.device, bind_host: str = "127.0.0.1",
+                 members: list[int] | None = None):
+        """`rank`, `pairs`: pool ranks; `members`: the pool ranks in the group, in group-rank order
+        (None: 0..world_size-1)."""
         self.cfg = cfg
         self.rank = rank
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        # gloo and NCCL pick their interface by name; this node's address names it
-        interface = interface_for(bind_host)
+        members = list(range(world_size)) if members is None else list(members)
+        if len(members) != world_size or rank not in members:
+            raise ValueError(f"rank {rank} joins a group of {world_size} with members {members}")
+        self.peer = {r: i for i, r in enumerate(members)}      # pool rank -> group rank
+        # gloo and NCCL pick their interface by name: the one whose network holds this node's address
+        interface = interface_for(bind_host, cfg.socket_ifname)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
         op_timeout = datetime.timedelta(seconds=max(60.0, 6 * cfg.timeout_s))
         # NCCL's watchdog would abort a receive left waiting longer than the group's timeout, and an
         # idle receiver always waits: on NCCL the group gets the idle wait as its timeout.
         timeout = IDLE_WAIT if self.backend == "nccl" else op_timeout
         store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=op_timeout)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(self.backend, store=store, rank=self.peer[rank], world_size=world_size, timeout=timeout)
         self.groups: dict[tuple[int, int], object] = {}
         for src, dst in pairs:                   # every rank creates every group, in the same order
-            group = dist.new_group([src, dst], backend=self.backend)
+            group = dist.new_group([self.peer[src], self.peer[dst]], backend=self.backend)
             self.groups[(src, dst)] = group
             self.groups[(dst, src)] = group
         self.sources = sorted(src for src, dst in pairs if dst == rank)
@@ -179,11 +186,11 @@ class NcclTransport:
         for src, dst in pairs:
             group = self.groups[(src, dst)]
             if self.rank == src:
-                dist.send(one, dst, group=group)
-                dist.recv(one, dst, group=group)
+                dist.send(one, self.peer[dst], group=group)
+                dist.recv(one, self.peer[dst], group=group)
             elif self.rank == dst:
-                dist.recv(one, src, group=group)
-                dist.send(one, src, group=group)
+                dist.recv(one, self.peer[src], group=group)
+                dist.send(one, self.peer[src], group=group)
         _sync(self.device)
 
     @property
@@ -231,7 +238,7 @@ class NcclTransport:
         """One message from `src`; False once the sender closed the stream."""
         group, dev = self.groups[(src, self.rank)], self.device
         preamble = torch.zeros(3, dtype=torch.int64, device=dev)
-        dist.irecv(preamble, src, group=group).wait(IDLE_WAIT)
+        dist.irecv(preamble, self.peer[src], group=group).wait(IDLE_WAIT)
         _sync(dev)
         kind, meta_len, payload_len = preamble.tolist()
         if kind == CLOSE and meta_len == payload_len == 0:
@@ -240,7 +247,7 @@ class NcclTransport:
                 or not 0 <= payload_len <= expect.max_frame_bytes or (payload_len > 0) != (kind == PART)):
             raise _Untrusted(f"preamble {[kind, meta_len, payload_len]} breaks the protocol")
         meta = torch.empty(meta_len, dtype=torch.uint8, device=dev)
-        dist.recv(meta, src, group=group)
+        dist.recv(meta, self.peer[src], group=group)
         data = meta.cpu().numpy().tobytes()
         if kind == BEGIN:
             return self._begin(src, data, expect, deliver, report)
@@ -257,7 +264,7 @@ class NcclTransport:
                     raise WireError(f"part of {payload_len} bytes; its header announces {size}", rid)
                 buf = self._buffers.take(size)
                 try:
-                    dist.recv(buf, src, group=group)
+                    dist.recv(buf, self.peer[src], group=group)
                     _sync(dev)
                 except BaseException:
                     self._buffers.give_back(buf)
@@ -289,18 +296,19 @@ class NcclTransport:
             begin = self.inbound.begin(decode_header(data, expect), expect)
         except Exception as e:   # refused before any payload: the sender reports it against its request
             reason = str(e) if isinstance(e, WireError) else f"{type(e).__name__}: {e}"
-            dist.send(_reply(False, reason, dev), src, group=group)
+            dist.send(_reply(False, reason, dev), self.peer[src], group=group)
             report(TransferProblem(f"{self.backend}: refused a transfer from rank {src}: {reason}",
                                    getattr(e, "request_id", None)))
             return True
-        dist.send(_reply(True, device=dev), src, group=group)
+        dist.send(_reply(True, device=dev), self.peer[src], group=group)
         deliver(begin)
         return True
 
     def _drain(self, src: int, nbytes: int) -> None:
         """Receive and drop a payload that will not be used, keeping the stream in step."""
         if nbytes:
-            dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), src, group=self.groups[(src, self.rank)])
+            dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), self.peer[src],
+                      group=self.groups[(src, self.rank)])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait for receive threads whose senders closed their streams, then leave the group."""

@@ -198,6 +198,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
         after = snapshot()
         traces = router.traces()          # steps on the router's clock, like the requests
         end_probe = pool.probe() if spec.cluster.speed_probe else None   # the same, once it has served
+        served_on = pool.record()     # the layout served, each worker's place, workers lost (docs/faults.md)
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
@@ -211,6 +212,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["machine"] = usage(before, after) | {"workers_share_cores": p.shared is not None, "shared_cores": p.shared}
     metrics["repeat"], metrics["point"] = repeat, ident
     metrics["isolation"] = pool.isolation
+    metrics["pool"] = served_on
     if pool.speed is not None:
         metrics["speed_probe"] = pool.speed
     if end_probe is not None:
