@@ -5,10 +5,11 @@ bound; a worker lost on the way is dropped (pool.gather) and the others go on, s
 connected to a lost peer is never used (the router sends nothing to a dead worker).
 
 torch.distributed (NCCL, gloo on CPU): the workers join one group whose members are fixed when it
-forms, so a worker lost while it forms leaves the others waiting for it in the rendezvous. The pool
-then closes the rendezvous store (every worker waiting on it fails at once, instead of after the
-store's timeout), has the survivors leave whatever they joined, and forms the group again with the
-survivors alone (a fresh store; group ranks renumbered, the workers' ranks kept), up to
+forms, so a worker lost while it forms leaves the others waiting for it. The workers first meet in a
+rendezvous of their own on the store (nccl_transport.rendezvous); on a loss the pool marks it
+abandoned, so every worker waiting there fails at once (or, when all had passed it, closes the
+store, failing their waits inside the backend), instead of after the store's timeout. The survivors
+then leave whatever they joined, and the group forms again with the survivors alone (a fresh store; group ranks renumbered, the workers' ranks kept), up to
 MAX_FORMS times. A survivor that does not come back within cluster.startup_timeout_s (on NCCL, one
 stuck in a collective with the lost peer) is dropped too.
 """
@@ -53,7 +54,7 @@ def _wire_zmq(pool) -> None:
 
 def _wire_torch(pool) -> None:
     import torch.distributed as dist
-    from cluster.transfer.nccl_transport import bound_listener
+    from cluster.transfer.nccl_transport import abandon, bound_listener
 
     t = pool.transfer
     host = "127.0.0.1" if _local(pool) else ray.util.get_node_ip_address()
@@ -71,10 +72,12 @@ def _wire_torch(pool) -> None:
                  for w in members}
         lost_before = len(pool.lost)
         errors: dict = {}
-        # the moment a worker is lost the store closes (its server stops with its last reference),
-        # so that the others stop waiting for it: their calls then fail, collected in `errors`
-        pool.gather(calls, "wiring (torch.distributed group)", errors=errors,
-                    on_loss=lambda: setattr(pool, "_store", None))
+
+        def on_loss():
+            """The others stop waiting for the lost one: their calls fail, collected in `errors`."""
+            if pool._store is not None and abandon(pool._store, len(members), "a member was lost"):
+                pool._store = None      # its server stops with its last reference, failing their waits
+        pool.gather(calls, "wiring (torch.distributed group)", errors=errors, on_loss=on_loss)
         if len(pool.lost) == lost_before:
             if errors:
                 w, why = next(iter(errors.items()))

@@ -63,6 +63,32 @@ def _own_stream(device: torch.device) -> None:
         torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
+ARRIVED, ABANDONED = "pdlab/arrived", "pdlab/abandoned"      # rendezvous keys in the store
+
+
+def rendezvous(store, world_size: int, timeout_s: float) -> None:
+    """Wait until all `world_size` members reached the store, before any joins the group: a member
+    lost on the way then leaves the others here, where the pool's `abandon` frees them at once,
+    not inside the backend's own wait for it (which only the store's timeout ends)."""
+    deadline = time.monotonic() + timeout_s
+    if not store.check([ABANDONED]):
+        store.add(ARRIVED, 1)
+    while not store.check([ABANDONED]) and store.add(ARRIVED, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{store.add(ARRIVED, 0)} of {world_size} members reached the rendezvous "
+                               f"within {timeout_s:g} s")
+        time.sleep(0.02)
+    if store.check([ABANDONED]):
+        raise RuntimeError(f"rendezvous abandoned: {store.get(ABANDONED).decode(errors='replace')}")
+
+
+def abandon(store, world_size: int, reason: str) -> bool:
+    """Tell the members waiting in `rendezvous` to give up. Returns True when every member had passed
+    it (one was lost after): they then wait inside the backend, and only closing the store frees them."""
+    store.set(ABANDONED, reason)
+    return store.add(ARRIVED, 0) >= world_size
+
+
 def leave_group() -> None:
     """Leave the process group this process joined (or half-joined), so that it can join another."""
     if dist.is_initialized():
@@ -168,6 +194,7 @@ class NcclTransport:
         # idle receiver always waits: on NCCL the group gets the idle wait as its timeout.
         timeout = IDLE_WAIT if self.backend == "nccl" else op_timeout
         store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=op_timeout)
+        rendezvous(store, world_size, op_timeout.total_seconds())
         dist.init_process_group(self.backend, store=store, rank=self.peer[rank], world_size=world_size, timeout=timeout)
         self.groups: dict[tuple[int, int], object] = {}
         for src, dst in pairs:                   # every rank creates every group, in the same order
