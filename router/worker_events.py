@@ -99,7 +99,9 @@ class RouterEvents:
             rec.decode_s = made - att.decode_start if att.decode_start is not None else 0.0
             self._finish(att, finish)
 
-    def _on_dead(self, w: WorkerHandle, reason: str) -> None:
+    def _on_dead(self, w: WorkerHandle, reason: str, node_lost: bool = False) -> None:
+        """`w` is gone; its attempts are retried. Its death counts against their requests (a poison may
+        have killed it) unless the router killed it on purpose or it went with its node."""
         if not w.alive:
             return
         w.alive = False
@@ -109,7 +111,7 @@ class RouterEvents:
             lost_prompt = att.prefill is w and (att.phase == "prefill" or (att.phase == "transfer" and not att.sent))
             if att.decode is w or lost_prompt:
                 att.record.injected_fault = att.record.injected_fault or injected
-                self._retry(att, reason, crashed=not injected)
+                self._retry(att, reason, crashed=not (injected or node_lost))
 
     def _on_out_of_service(self, w: WorkerHandle, reason: str) -> None:
         """Its KV receiver stopped: no more handoffs to it; those under way go elsewhere. What it is
