@@ -153,7 +153,8 @@ def run_cli(tmp_path, *args, timeout=600):
 def test_sweep_records_crashed_points_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", f"hydra.sweep.dir={sweep}", "compare=null", "layout=1p1d", "model.device=cpu,cuda", "repeats=2",
-            "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60"]
+            "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60",
+            "cluster.speed_probe=true"]
     first = run_cli(tmp_path, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     jobs = {"cuda" if "cuda" in p.name else "cpu": p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")}
