@@ -180,7 +180,10 @@ class WorkerPool:
                 try:
                     out[w] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    lose(w, phase, f"its actor died: {_first_line(e)}")
+                    if e.actor_init_failed:      # its constructor raised: the layout's error, not a loss
+                        failed[w] = _last_line(e)
+                    else:
+                        lose(w, phase, f"its actor died: {_first_line(e)}")
                 except ray.exceptions.RayTaskError as e:
                     failed[w] = _first_line(e.cause if e.cause is not None else e)
                 except ray.exceptions.RayError as e:       # its node lost with the result
@@ -350,6 +353,12 @@ class WorkerPool:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def _last_line(e: BaseException) -> str:
+    """The exception line that ends a remote traceback."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:500]
 
 
 def _nodes() -> list[dict]:
