@@ -149,3 +149,30 @@ def test_the_speed_probe_is_opt_in():
         assert pool.speed is None
     finally:
         pool.shutdown()
+
+
+def test_fractional_gpus_share_a_nodes_cpus_among_the_workers_it_hosts():
+    from cluster.isolation import bundle_cpus
+    one_gpu = [{"id": "A", "cpus": 16, "gpus": 1}]
+    assert bundle_cpus("auto", one_gpu, 2, "elsewhere", gpus_per_worker=0.5) == 8     # two workers on the GPU
+    assert bundle_cpus("auto", one_gpu, 2, "elsewhere") == 16                          # one: the other goes elsewhere
+    assert bundle_cpus("auto", [{"id": "A", "cpus": 16, "gpus": 1}], 1, "A", gpus_per_worker=2) == 0.0
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_gpu_checks_main_job_composes_on_one_gpu_or_two(num_gpus):
+    """experiments/gpu_check.py's main job: on one GPU both workers of each point share it (0.5 each)."""
+    from hydra import compose, initialize_config_dir
+    from experiments.config import parse
+    from experiments.gpu_check import main_job_overrides, shapes
+    from tests.conftest import ROOT
+
+    overrides = main_job_overrides("cuda", shapes("cuda"), num_gpus)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        spec = parse(compose("config", overrides=overrides))
+    need = spec.cluster.num_gpus_needed
+    if num_gpus == 1:
+        assert (spec.cluster.gpus_per_worker, spec.cluster.num_gpus, spec.transfer.backend) == (0.5, 1, "zmq")
+    else:
+        assert (spec.cluster.gpus_per_worker, spec.transfer.backend) == (1, "nccl")
+    assert need <= num_gpus and spec.scheduler.gpu_memory_utilization == 0.4
