@@ -58,8 +58,10 @@ class Node:
         self.ip, self.dir = ip, work / name
         self.dir.mkdir(parents=True, exist_ok=True)
         ports = free_ports(ip, 7)
+        # no CPUs declared: the workers reserve none (cluster.cpus_per_worker=0), and Ray then prestarts
+        # no idle worker processes to compete for this machine's cores
         cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--node-ip-address", ip,
-               "--num-gpus", "1", "--num-cpus", "4", "--temp-dir", str(self.dir), "--disable-usage-stats",
+               "--num-gpus", "1", "--num-cpus", "0", "--temp-dir", str(self.dir), "--disable-usage-stats",
                "--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1]),
                "--dashboard-agent-listen-port", str(ports[2]), "--dashboard-agent-grpc-port", str(ports[3]),
                "--metrics-export-port", str(ports[4]), "--runtime-env-agent-port", str(ports[5])]
