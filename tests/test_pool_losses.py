@@ -74,7 +74,8 @@ def test_worker_lost_before_wiring_is_dropped_and_the_point_served(backend, monk
     assert up_s < 40, f"start-up took {up_s:.0f} s: something waited on the dead worker"
 
 
-def test_worker_lost_before_the_speed_probe_is_dropped(monkeypatch, caplog):
+@pytest.mark.slow
+def test_worker_lost_before_the_speed_probe_is_dropped(monkeypatch):
     kill_before(monkeypatch, "probe", "prefill:1")
     pool = make_pool(prefill=2, decode=1, speed_probe=True).start()
     try:
@@ -86,6 +87,7 @@ def test_worker_lost_before_the_speed_probe_is_dropped(monkeypatch, caplog):
         pool.shutdown()
 
 
+@pytest.mark.slow
 def test_frozen_worker_costs_a_phase_its_timeout_not_more(monkeypatch):
     frozen = kill_before(monkeypatch, "_wire", "decode:1", how="stop", timeout_s=4.0)
     pool = make_pool()
@@ -118,12 +120,14 @@ def test_a_whole_role_lost_fails_the_point_and_releases_it(monkeypatch):
     assert pool.workers == [] and released(before)
 
 
-def test_fractional_gpus_shape_bundles_and_actors():
+def test_fractional_gpus_shape_bundles_and_actors_and_nothing_probes_unasked():
+    assert ClusterConfig().speed_probe is False
     pool = make_pool(decode=1, gpus_per_worker=0.5).start()
     try:
         bundles = ray.util.placement_group_table(pool._pg)["bundles"]
         assert [b.get("GPU") for b in bundles.values()] == [0.5, 0.5]
         assert [r.output_ids for r in serve(pool)] == greedy_tokens(MAX_TOKENS)
+        assert pool.speed is None, "cluster.speed_probe is opt-in"
     finally:
         pool.shutdown()
 
@@ -140,15 +144,6 @@ def test_gpus_per_worker_counts_in_the_resource_check():
     with pytest.raises(ClusterError, match=r"needs 32 GPUs, 2 per worker \(cluster.gpus_per_worker\); "
                                            r"the Ray cluster has 16 GPUs"):
         make_pool(prefill=8, decode=8, gpus_per_worker=2).start()
-
-
-def test_the_speed_probe_is_opt_in():
-    assert ClusterConfig().speed_probe is False
-    pool = make_pool(decode=1).start()
-    try:
-        assert pool.speed is None
-    finally:
-        pool.shutdown()
 
 
 def test_fractional_gpus_share_a_nodes_cpus_among_the_workers_it_hosts():
