@@ -20,7 +20,9 @@ What fails and what is retried:
   cause, and would follow it to the next worker);
 - retried (up to router.max_retries): its worker died, or its KV transfer failed or was refused. A
   worker that dies on its own (not by fault injection) may have been killed by one of its requests:
-  a request on a second such worker is failed, not retried again, so a poison cannot cascade.
+  a request on a second such worker is failed, not retried again, so a poison cannot cascade. A worker
+  lost with its node (router/threads.py: went_with_its_node) is not counted: a node takes all its
+  workers at once.
 - A worker that does not answer its poll within poll_timeout_s + router.liveness_timeout_s (frozen)
   counts as dead, and is killed so that it cannot come back half-alive.
 """
