@@ -122,7 +122,7 @@ class WorkerPool(PoolLosses):
     def _start(self) -> "WorkerPool":
         roles = self.cfg.roles
         driver_node = ray.get_runtime_context().get_node_id()
-        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node)
+        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node, self.cfg.gpus_per_worker)
         check_resources(self.cfg, cpus)
         order = bundle_order(roles)
         gpus = self.cfg.gpus_per_worker

@@ -9,8 +9,8 @@ forms, so a worker lost while it forms leaves the others waiting for it. The wor
 rendezvous of their own on the store (nccl_transport.rendezvous); on a loss the pool marks it
 abandoned, so every worker waiting there fails at once (or, when all had passed it, closes the
 store, failing their waits inside the backend), instead of after the store's timeout. The survivors
-then leave whatever they joined, and the group forms again with the survivors alone (a fresh store; group ranks renumbered, the workers' ranks kept), up to
-MAX_FORMS times. A survivor that does not come back within cluster.startup_timeout_s (on NCCL, one
+then leave whatever they joined, and the group forms again with the survivors alone (a fresh store;
+group ranks renumbered, the workers' pool ranks kept), up to MAX_FORMS times. A survivor that does not come back within cluster.startup_timeout_s (on NCCL, one
 stuck in a collective with the lost peer) is dropped too.
 """
 from __future__ import annotations
