@@ -172,6 +172,8 @@ def test_sweep_records_crashed_points_and_resumes(tmp_path):
         assert (done / rep / "steps.jsonl").stat().st_size > 0
         rep_metrics = json.loads((done / rep / "metrics.json").read_text())
         assert rep_metrics["ci"]["itl_ms.p99"] is not None
+        assert rep_metrics["pool"]["served"] == "1P+1D (prefill:0, decode:0)" and rep_metrics["pool"]["lost"] == []
+        assert [w["worker"] for w in rep_metrics["pool"]["workers"]] == ["prefill:0", "decode:0"]
         for key in ("speed_probe", "speed_probe_end"):      # the machine's speed before and after serving
             assert sorted(rep_metrics[key]) == ["decode:0", "prefill:0"], key
             assert all(p["decode_s"] > 0 and p["prefill_s"] > 0 for p in rep_metrics[key].values()), key

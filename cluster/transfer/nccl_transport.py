@@ -24,12 +24,13 @@ An idle receiver waits for the next preamble without a deadline (gloo would othe
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
 (cluster/wiring.py), and gloo/NCCL use the network interface whose network holds it, or the one
-transfer.socket_ifname names (cluster/transfer/netif.py).
+transfer.socket_ifname names (cluster/transfer/netif.py). On a GPU each channel and receive thread
+runs on its own CUDA stream, so waiting for a peer never holds up the engine.
 
 Workers are named by their pool ranks; the group's own ranks are their places in `members` (the
 workers a group formed with: a group formed again without a lost worker renumbers, the pool's
-ranks stay). On a GPU each channel and
-receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine.
+ranks stay). Before joining, the members meet in a rendezvous of their own on the store, which the
+pool can abandon when one of them is lost (cluster/wiring.py).
 """
 from __future__ import annotations
 
