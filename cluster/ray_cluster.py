@@ -7,6 +7,7 @@ driver, however the driver dies (cluster/ray_watchdog.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import ray
@@ -33,7 +34,7 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
             import torch
             gpus = cfg.num_gpus
             if gpus is None:
-                gpus = torch.cuda.device_count() or cfg.num_workers
+                gpus = torch.cuda.device_count() or math.ceil(cfg.num_gpus_needed)
                 if not torch.cuda.device_count():
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
             # the cores this process may use (a container's cpuset), not every core of the host

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 import traceback
 from collections import Counter
@@ -107,7 +108,8 @@ def ensure_ray(spec: RunSpec) -> None:
 
     cluster = spec.cluster
     if cluster.address is None:
-        gpus = cluster.num_gpus if cluster.num_gpus is not None else (torch.cuda.device_count() or spec.gpus)
+        fake = max(spec.gpus, math.ceil(cluster.num_gpus_needed))      # on CPU: enough for the layout's share
+        gpus = cluster.num_gpus if cluster.num_gpus is not None else (torch.cuda.device_count() or fake)
         cluster = dataclasses.replace(cluster, num_gpus=gpus)
         if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) < gpus:
             stop_ray()
