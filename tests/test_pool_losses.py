@@ -171,3 +171,18 @@ def test_gpu_checks_main_job_composes_on_one_gpu_or_two(num_gpus):
     else:
         assert (spec.cluster.gpus_per_worker, spec.transfer.backend) == (1, "nccl")
     assert need <= num_gpus and spec.scheduler.gpu_memory_utilization == 0.4
+
+
+def test_a_worker_unreachable_or_on_a_dead_node_went_with_its_node(monkeypatch):
+    """What the router does not hold against requests (router/threads.py): a worker Ray cannot reach
+    with no death reported, or one on a node marked dead; a worker that died on a live node counts."""
+    from cluster.pool import WorkerHandle
+    from router.threads import went_with_its_node
+
+    live = ray.get_runtime_context().get_node_id()
+    here = WorkerHandle(0, "decode", 0, None, {"node_id": live})
+    assert went_with_its_node(here, ray.exceptions.ActorUnavailableError("connection reset", None))
+    assert not went_with_its_node(here, ray.exceptions.ActorDiedError())
+    table = ray.nodes()
+    monkeypatch.setattr(ray, "nodes", lambda: [{**n, "Alive": False} if n["NodeID"] == live else n for n in table])
+    assert went_with_its_node(here, ray.exceptions.ActorDiedError()), "its node is marked dead"
