@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,6 +52,12 @@ def free_ports(host: str, n: int) -> list[int]:
             s.close()
 
 
+def ray_command() -> str:
+    """The `ray` command of this interpreter's Ray (beside it, else on PATH)."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
+
+
 class Node:
     """One `ray start --block` and the processes it starts (all under its own temp dir)."""
 
@@ -60,7 +67,7 @@ class Node:
         ports = free_ports(ip, 7)
         # no CPUs declared: the workers reserve none (cluster.cpus_per_worker=0), and Ray then prestarts
         # no idle worker processes to compete for this machine's cores
-        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--block", "--node-ip-address", ip,
+        cmd = [ray_command(), "start", "--block", "--node-ip-address", ip,
                "--num-gpus", "1", "--num-cpus", "0", "--temp-dir", str(self.dir), "--disable-usage-stats",
                "--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1]),
                "--dashboard-agent-listen-port", str(ports[2]), "--dashboard-agent-grpc-port", str(ports[3]),

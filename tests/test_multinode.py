@@ -15,7 +15,8 @@ from tests.conftest import ROOT
 from tests.test_cluster_faults import alive, descendants
 from cluster.ray_watchdog import holding
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                                  reason="loopback aliases (127.0.0.2, 127.0.0.3) are Linux's")]
 
 HEAD, NODE2 = "127.0.0.2", "127.0.0.3"
 
