@@ -22,8 +22,12 @@ class ClusterConfig:
                                       # pinned to it; auto = a node's cores over its workers (one kept for
                                       # the driver when cores > workers); 0 = none: workers share cores
     torch_threads: int = 0            # per worker; 0 = one per core of its own (an equal share if shared)
-    startup_timeout_s: float = 60.0   # placement and actor start; past it, fail with what is missing
-    speed_probe: bool = True          # each worker times the same two steps before serving (workers/probe.py)
+    gpus_per_worker: float = 1        # GPUs per worker's bundle and actor: a fraction (0.5) lets workers share
+                                      # a GPU (a prefill and a decode worker on one), an integer >= 1 gives more
+    startup_timeout_s: float = 60.0   # each start-up phase (placement, actor start, wiring, probe): past it,
+                                      # the workers that have not answered are dropped (or the point fails)
+    speed_probe: bool = False         # opt-in: each worker times the same two steps before (and after)
+                                      # serving (workers/probe.py); the results go to metrics.json
     log_to_driver: bool = True
 
     def __post_init__(self):
@@ -42,6 +46,10 @@ class ClusterConfig:
             raise ValueError(f"cluster.cpus_per_worker={self.cpus_per_worker!r} must be auto or a number >= 0")
         if self.torch_threads < 0:
             raise ValueError(f"cluster.torch_threads={self.torch_threads} must be >= 0 (0: one per core)")
+        g = self.gpus_per_worker
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g <= 1 or (g >= 1 and g == int(g))):
+            raise ValueError(f"cluster.gpus_per_worker={g!r} must be a fraction in (0, 1] (workers sharing a GPU) "
+                             "or a whole number of GPUs")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"cluster.startup_timeout_s={self.startup_timeout_s} must be positive")
 
@@ -55,6 +63,11 @@ class ClusterConfig:
     @property
     def num_workers(self) -> int:
         return len(self.roles)
+
+    @property
+    def num_gpus_needed(self) -> float:
+        """GPUs the layout takes: its workers times cluster.gpus_per_worker."""
+        return self.num_workers * self.gpus_per_worker
 
     def describe(self) -> str:
         if self.mode == "colocated":

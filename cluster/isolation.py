@@ -27,20 +27,22 @@ def usable_cores(pid: int = 0) -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def bundle_cpus(setting: float | str, nodes: list[dict], num_workers: int, driver_node: str | None) -> float:
+def bundle_cpus(setting: float | str, nodes: list[dict], num_workers: int, driver_node: str | None,
+                gpus_per_worker: float = 1) -> float:
     """Ray CPUs to reserve per worker. `nodes`: alive Ray nodes as {"id", "cpus", "gpus"}.
 
     auto: on every node with GPUs, its CPUs (less one for the driver on the driver's node, when it has
-    more CPUs than workers) divided by the workers it can host (its GPUs, at most all workers); the
+    more CPUs than workers) divided by the workers it can host (its GPUs over `gpus_per_worker`, at
+    most all workers); the
     smallest share over the nodes, floored, since a bundle may land on any of them. 0 when some node
     has fewer CPUs than workers: nothing is reserved and the workers share cores."""
     if setting != "auto":
         return float(setting)
     shares = []
     for n in nodes:
-        if n["gpus"] < 1:
+        hosted = min(int(n["gpus"] / gpus_per_worker + 1e-9), num_workers)
+        if hosted < 1:
             continue
-        hosted = min(int(n["gpus"]), num_workers)
         cpus = n["cpus"] - (1 if n["id"] == driver_node and n["cpus"] > hosted else 0)
         shares.append(math.floor(cpus / hosted))
     return float(max(0, min(shares))) if shares else 0.0

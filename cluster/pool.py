@@ -6,6 +6,13 @@ prefill/decode pair shares a node where it can, and under `spread` every role is
 nodes, so that no node holds a whole role while another node has workers (losing one node then never
 takes a role with it). Then each worker is given cores of its own on its node, and the driver the
 cores no worker holds (cluster/isolation.py); `pool.isolation` says what was achieved.
+
+Every phase of start-up (actor start, pinning, wiring the KV transfers, the optional speed probe)
+asks all workers at once and waits at most cluster.startup_timeout_s for their answers. A worker
+whose actor dies (its node lost) or that does not answer in time is dropped from the pool (killed,
+so it cannot come back half-alive), with a warning naming it and the layout left; the pool goes on
+with the others and fails only when a whole role is gone. `pool.lost` lists what was dropped, when
+and why; `pool.record()` is what metrics.json keeps of it (cluster/pool_losses.py, docs/faults.md).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from cluster.ray_cluster import ClusterError, check_resources
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
 from cluster.worker import Worker
+from cluster.pool_losses import PoolLosses
+from cluster.wiring import wire
 from workers.weights import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -84,7 +93,7 @@ def bundle_order(roles: list[str]) -> list[int]:
     return order + other
 
 
-class WorkerPool:
+class WorkerPool(PoolLosses):
     def __init__(self, cfg: ClusterConfig, spec: ModelSpec, engine_cfg: EngineConfig | dict[str, EngineConfig],
                  transfer: TransferConfig):
         """`engine_cfg`: one EngineConfig for every role, or one per role ("colocated", "prefill", "decode")."""
@@ -98,6 +107,8 @@ class WorkerPool:
         self._held: dict[str, set[int]] = {}
         self.isolation: dict | None = None
         self.speed: dict | None = None         # {worker: the speed probe's result} (cluster.speed_probe)
+        self.lost: list[dict] = []             # workers dropped: {worker, host, phase, reason}
+        self.started = False                   # start-up over: a loss now is the router's to handle
 
     # -- bring-up -------------------------------------------------------------------------------
     def start(self) -> "WorkerPool":
@@ -111,10 +122,11 @@ class WorkerPool:
     def _start(self) -> "WorkerPool":
         roles = self.cfg.roles
         driver_node = ray.get_runtime_context().get_node_id()
-        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node)
+        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node, self.cfg.gpus_per_worker)
         check_resources(self.cfg, cpus)
         order = bundle_order(roles)
-        bundle = {"GPU": 1} | ({"CPU": cpus} if cpus else {})
+        gpus = self.cfg.gpus_per_worker
+        bundle = {"GPU": gpus} | ({"CPU": cpus} if cpus else {})
         self._pg = placement_group([bundle] * len(roles), strategy=PLACEMENTS[self.cfg.placement])
         if not self._pg.wait(timeout_seconds=self.cfg.startup_timeout_s):
             remove_placement_group(self._pg)
@@ -132,19 +144,19 @@ class WorkerPool:
             index = counters.get(role, 0)
             counters[role] = index + 1
             actor = remote.options(
-                num_gpus=1, num_cpus=cpus, max_concurrency=16, max_restarts=0,
+                num_gpus=gpus, num_cpus=cpus, max_concurrency=16, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundles[rank]),
             ).remote(rank, self.spec, self._engine(role), threads)
             self.workers.append(WorkerHandle(rank, role, index, actor))
         self.workers.sort(key=lambda w: w.rank)
-        infos = self._get([w.actor.info.remote() for w in self.workers], "start the workers")
-        for w, info in zip(self.workers, infos):
+        for w, info in self.gather({w: w.actor.info.remote() for w in self.workers}, "actor start").items():
             w.info = info
         self._isolate(cpus, driver_node)
         if self.cfg.mode == "disaggregated":
             self._wire()
         if self.cfg.speed_probe:
             self.speed = self.probe()
+        self.started = True
         log.info("workers up: %s", ", ".join(f"{w.name}@{w.info['host']}/{w.info['device']}" for w in self.workers))
         return self
 
@@ -165,8 +177,11 @@ class WorkerPool:
                 mine = set().union(*map(set, got.per_worker))
                 self._held[node] = mine
                 _HELD.setdefault(node, set()).update(mine)
-        results = self._get([w.actor.isolate.remote(mine, threads) for w, mine, threads in plans], "pin their threads")
-        for (w, mine, _), r in zip(plans, results):
+        results = self.gather({w: w.actor.isolate.remote(mine, threads) for w, mine, threads in plans}, "pinning")
+        for w, mine, _ in plans:
+            if w not in results:
+                continue
+            r = results[w]
             w.info.update(cores=r["cores"], torch_threads=r["torch_threads"])
             if r["error"] or r["cores"] != sorted(mine):
                 got_cores = r["cores"]
@@ -187,20 +202,23 @@ class WorkerPool:
             log.info("the driver shares the workers' cores: no core is left over for it")
 
     def _by_node(self) -> dict[str, list[WorkerHandle]]:
-        """The workers of each node, in rank order."""
+        """The live workers of each node, in rank order."""
         out: dict[str, list[WorkerHandle]] = {}
         for w in self.workers:
+            if not w.alive:
+                continue
             out.setdefault(w.info["node_id"], []).append(w)
         return out
 
     def probe(self) -> dict:
         """{worker: its speed probe} (workers/probe.py; the workers must be idle), workers of one node
-        one after another (so none is timed beside another's probe), nodes at once."""
+        one after another (so none is timed beside another's probe), nodes at once. A worker lost
+        meanwhile is dropped (start-up) or left out (after serving)."""
         by_node = self._by_node()
         speed = {}
-        for place in range(max(map(len, by_node.values()))):
+        for place in range(max(map(len, by_node.values()), default=0)):
             ws = [ws[place] for ws in by_node.values() if place < len(ws)]
-            for w, r in zip(ws, self._get([w.actor.probe.remote() for w in ws], "time the speed probe")):
+            for w, r in self.gather({w: w.actor.probe.remote() for w in ws if w.alive}, "speed probe").items():
                 speed[w.name] = r
                 if "error" in r:
                     log.warning("%s: no speed probe (%s)", w.name, r["error"])
@@ -211,42 +229,8 @@ class WorkerPool:
         # a prefill engine streams its KV out as the transfer config says
         return cfg.replace(kv_stream=self.transfer.stream) if role == "prefill" else cfg
 
-    def _get(self, refs, what: str):
-        try:
-            return ray.get(refs, timeout=self.cfg.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.shutdown()
-            raise ClusterError(f"workers did not {what} within cluster.startup_timeout_s="
-                               f"{self.cfg.startup_timeout_s:g}") from None
-        except ray.exceptions.RayActorError as e:
-            self.shutdown()
-            raise ClusterError(f"a worker died while trying to {what}: {e}") from None
-
     def _wire(self) -> None:
-        t = self.transfer
-        prefill, decode = self.by_role("prefill"), self.by_role("decode")
-        local = self.cfg.address is None
-        if t.backend == "zmq":
-            hosts = [t.bind_host if t.bind_host != "auto" else "127.0.0.1" if local else w.info["host"]
-                     for w in decode]
-            addrs = self._get([w.actor.zmq_bind.remote(t, h) for w, h in zip(decode, hosts)], "bind zmq sockets")
-            peers = {w.rank: a for w, a in zip(decode, addrs)}
-            self._get([w.actor.zmq_connect.remote(t, peers) for w in prefill], "connect zmq sockets")
-        else:
-            import torch.distributed as dist
-            from cluster.transfer.nccl_transport import bound_listener
-            host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-            # the store serves on a socket bound to this node's address (it would listen on all interfaces)
-            listener = bound_listener(host)
-            port = listener.getsockname()[1]
-            self._store = dist.TCPStore(host, port, len(self.workers), is_master=True, wait_for_workers=False,
-                                        master_listen_fd=listener.detach())
-            pairs = [(p.rank, d.rank) for p in prefill for d in decode]
-            self._get([w.actor.nccl_init.remote(t, len(self.workers), host, port, pairs,
-                                                "127.0.0.1" if local else w.info["host"])
-                       for w in self.workers], "join the torch.distributed group")
-        self._get([w.actor.start_receiving.remote(t.max_frame_bytes) for w in decode], "start receiving")
-        self._get([w.actor.start_streaming.remote(t.stream_layers) for w in prefill], "start streaming")
+        wire(self)
 
     # -- use ------------------------------------------------------------------------------------
     def by_role(self, role: str) -> list[WorkerHandle]:
@@ -263,17 +247,12 @@ class WorkerPool:
     def kill(self, w: WorkerHandle) -> None:
         ray.kill(w.actor, no_restart=True)
 
-    def traces(self, drain: bool = False) -> dict[str, list[dict]]:
-        """Each live worker's engine steps; drain=True takes them out of the workers."""
-        out = {}
-        for w in self.workers:
-            if not w.alive:
-                continue
-            try:
-                out[w.name] = ray.get(w.actor.trace.remote(drain), timeout=30)
-            except ray.exceptions.RayError:
-                w.alive = False
-        return out
+    def traces(self, drain: bool = False, timeout_s: float = 30.0) -> dict[str, list[dict]]:
+        """Each live worker's engine steps; drain=True takes them out of the workers. Asked of all at
+        once: a dead or silent worker costs at most `timeout_s` in all and is left out (marked dead)."""
+        calls = {w: w.actor.trace.remote(drain) for w in self.workers if w.alive}
+        got = self.gather(calls, "collecting traces", timeout_s, errors={}) if calls else {}
+        return {w.name: steps for w, steps in got.items()}
 
     def shutdown(self) -> None:
         for w in self.workers:

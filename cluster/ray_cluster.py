@@ -7,6 +7,7 @@ driver, however the driver dies (cluster/ray_watchdog.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import ray
@@ -33,7 +34,7 @@ def start_ray(cfg: ClusterConfig, temp_dir: str | None = None) -> dict:
             import torch
             gpus = cfg.num_gpus
             if gpus is None:
-                gpus = torch.cuda.device_count() or cfg.num_workers
+                gpus = torch.cuda.device_count() or math.ceil(cfg.num_gpus_needed)
                 if not torch.cuda.device_count():
                     log.info("no GPU found: declaring %d GPU resources; workers run torch on CPU", gpus)
             # the cores this process may use (a container's cpuset), not every core of the host
@@ -58,12 +59,13 @@ def _packages() -> list[str]:
 
 def check_resources(cfg: ClusterConfig, cpus_per_worker: float, grace_s: float = 15.0) -> None:
     """Fail at once if the cluster can never host the layout (`cpus_per_worker` Ray CPUs with each
-    worker's GPU, `cluster.cpus_per_worker` resolved); wait up to `grace_s` for resources that exist
+    worker's cluster.gpus_per_worker GPUs, `cluster.cpus_per_worker` resolved); wait up to `grace_s` for resources that exist
     but are still being released (a previous pool's), then fail naming them."""
     import time
 
     total = ray.cluster_resources()
-    need_gpus = cfg.num_workers
+    need_gpus = cfg.num_gpus_needed
+    each = "one per worker" if cfg.gpus_per_worker == 1 else f"{cfg.gpus_per_worker:g} per worker (cluster.gpus_per_worker)"
     need_cpus = cfg.num_workers * cpus_per_worker
     what = f"cluster.mode={cfg.mode} ({cfg.describe()})"
 
@@ -73,7 +75,7 @@ def check_resources(cfg: ClusterConfig, cpus_per_worker: float, grace_s: float =
                 f"{total.get('CPU', 0):g} CPUs ({free.get('CPU', 0):g} free)")
 
     if total.get("GPU", 0) < need_gpus:
-        raise ClusterError(f"{what} needs {need_gpus} GPUs, one per worker; {have()}")
+        raise ClusterError(f"{what} needs {need_gpus:g} GPUs, {each}; {have()}")
     if total.get("CPU", 0) < need_cpus:
         raise ClusterError(f"{what} needs {need_cpus:g} CPUs (cluster.cpus_per_worker="
                            f"{cfg.cpus_per_worker}: {cpus_per_worker:g} each); {have()}")
@@ -83,7 +85,7 @@ def check_resources(cfg: ClusterConfig, cpus_per_worker: float, grace_s: float =
         if free.get("GPU", 0) >= need_gpus and free.get("CPU", 0) >= need_cpus:
             return
         if time.monotonic() > deadline:
-            raise ClusterError(f"{what} needs {need_gpus} free GPUs and {need_cpus:g} free CPUs; {have()}: "
+            raise ClusterError(f"{what} needs {need_gpus:g} free GPUs and {need_cpus:g} free CPUs; {have()}: "
                                "other jobs hold the rest")
         time.sleep(0.1)
 

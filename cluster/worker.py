@@ -182,10 +182,17 @@ class Worker:
         self.transport.connect(peers)
 
     def nccl_init(self, cfg: TransferConfig, world_size: int, store_host: str, store_port: int,
-                  pairs: list[tuple[int, int]], bind_host: str = "127.0.0.1") -> None:
+                  pairs: list[tuple[int, int]], bind_host: str = "127.0.0.1", members: list[int] | None = None) -> None:
+        """Join the torch.distributed group of `members` (worker ranks; None: ranks 0..world_size-1)."""
         from cluster.transfer.nccl_transport import NcclTransport
         self.transport = NcclTransport(cfg, self.rank, world_size, store_host, store_port, pairs,
-                                       self.engine.device, bind_host)
+                                       self.engine.device, bind_host, members)
+
+    def nccl_leave(self) -> None:
+        """Leave a torch.distributed group that could not form (a member was lost), so it can form again."""
+        from cluster.transfer.nccl_transport import leave_group
+        self.transport = None
+        leave_group()
 
     def start_receiving(self, max_frame_bytes: int) -> None:
         expect = Expect.for_engine(self.engine, max_frame_bytes)

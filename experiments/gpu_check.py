@@ -399,16 +399,22 @@ def disaggregation(device: str, sh: dict) -> dict:
     return {**out, "ok": bool(ok)}
 
 
-def main_job(device: str, sh: dict) -> dict:
-    overrides = [f"model={sh['model']}", f"workload.num_requests={sh['requests']}", "repeats=1",
-                 "hydra.run.dir=" + str(Path(os.environ.get("PDLAB_GPU_CHECK_OUT", ".")) / "main_job")]
+def main_job_overrides(device: str, sh: dict, num_gpus: int) -> list[str]:
+    """The main job's command line on `device` with `num_gpus` GPUs (the run directory aside)."""
+    overrides = [f"model={sh['model']}", f"workload.num_requests={sh['requests']}", "repeats=1"]
     if device == "cuda":
-        import torch
-        overrides += ["+experiment=gpu_llama3_8b", "engine.gpu_memory_utilization=0.4"]
-        if torch.cuda.device_count() < 2:       # both workers of each point on the one GPU
+        overrides += ["+experiment=gpu_llama3_8b", "scheduler.gpu_memory_utilization=0.4"]
+        if num_gpus < 2:       # both workers of each point on the one GPU
             overrides += ["cluster.num_gpus=1", "cluster.gpus_per_worker=0.5", "transfer=zmq"]
     else:
         overrides += ["model.device=cpu", "workload.rate=20"]
+    return overrides
+
+
+def main_job(device: str, sh: dict) -> dict:
+    import torch
+    overrides = main_job_overrides(device, sh, torch.cuda.device_count() if device == "cuda" else 0)
+    overrides.append("hydra.run.dir=" + str(Path(os.environ.get("PDLAB_GPU_CHECK_OUT", ".")) / "main_job"))
     t = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "experiments.run", *overrides], capture_output=True, text=True)
     tail = (p.stdout + p.stderr).strip().splitlines()

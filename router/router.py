@@ -20,7 +20,9 @@ What fails and what is retried (router/journey.py, whose rules the simulator sha
   cause, and would follow it to the next worker);
 - retried (up to router.max_retries): its worker died, or its KV transfer failed or was refused. A
   worker that dies on its own (not by fault injection) may have been killed by one of its requests:
-  a request on a second such worker is failed, not retried again, so a poison cannot cascade.
+  a request on a second such worker is failed, not retried again, so a poison cannot cascade. A worker
+  lost with its node (router/threads.py: went_with_its_node) is not counted: a node takes all its
+  workers at once.
 - A worker that does not answer its poll within poll_timeout_s + router.liveness_timeout_s (frozen)
   counts as dead, and is killed so that it cannot come back half-alive.
 """
@@ -69,7 +71,11 @@ class Router(RouterThreads, RouterEvents):
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._victim = pool.find(faults.kill_worker) if faults.kill_worker else None
+        self._victim = None
+        if faults.kill_worker and any(x["worker"] == faults.kill_worker for x in getattr(pool, "lost", ())):
+            log.warning("fault.kill_worker=%s: that worker was lost during start-up; nothing to kill", faults.kill_worker)
+        elif faults.kill_worker:
+            self._victim = pool.find(faults.kill_worker)
         self._killed: set[int] = set()        # ranks killed by fault injection (their deaths are expected)
         self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
         self._num_attempts = 0

@@ -3,7 +3,8 @@
 A part of router/router.py's Router (a mixin: it uses the router's pool, config, clocks, lock and
 its event, drop, retry and failure handlers). A worker that does not answer its poll within
 poll_timeout_s + router.liveness_timeout_s counts as dead and is killed; a router error on one event
-is logged and does not silence that worker's stream.
+is logged and does not silence that worker's stream. A worker lost with its node is not held
+against the requests it served (a node takes all its workers at once; that says nothing of them).
 """
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ from cluster.pool import WorkerHandle
 from router.clock import best_probe
 
 log = logging.getLogger(__name__)
+
+
+def went_with_its_node(w: WorkerHandle, e: BaseException) -> bool:
+    """Whether `w` was lost with its node (a machine or its raylet gone), not on its own. A worker
+    process that dies on a live node is reported dead by that node's raylet (ActorDiedError); one the
+    driver can no longer reach, with no death reported, is ActorUnavailableError; and a node the
+    cluster has marked dead took its workers with it."""
+    if isinstance(e, ray.exceptions.ActorUnavailableError):
+        return True
+    node = w.info.get("node_id")
+    try:
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+    except Exception:
+        return False
+    return node is not None and alive.get(node) is False
 
 
 class RouterThreads:
@@ -37,8 +53,10 @@ class RouterThreads:
                 self.pool.kill(w)               # so that it cannot come back half-alive
                 return
             except ray.exceptions.RayError as e:
+                node_lost = went_with_its_node(w, e)
                 with self._lock:
-                    self._on_dead(w, f"worker {w.name} died ({type(e).__name__})")
+                    self._on_dead(w, f"worker {w.name} died ({type(e).__name__}"
+                                     + (": its node was lost)" if node_lost else ")"), node_lost=node_lost)
                 return
             now = self.clock()
             if reply["events"]:

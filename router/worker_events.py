@@ -92,7 +92,9 @@ class RouterEvents:
         if self.journeys.token(att, made, now, started, finish):
             self._finish(att, finish)
 
-    def _on_dead(self, w: WorkerHandle, reason: str) -> None:
+    def _on_dead(self, w: WorkerHandle, reason: str, node_lost: bool = False) -> None:
+        """`w` is gone; its attempts are retried. Its death counts against their requests (a poison may
+        have killed it) unless the router killed it on purpose or it went with its node."""
         if not w.alive:
             return
         w.alive = False
@@ -100,7 +102,7 @@ class RouterEvents:
         log.warning("%s", reason)
         for att in self.journeys.lost_with(w):
             att.record.injected_fault = att.record.injected_fault or injected
-            self._retry(att, reason, crashed=not injected)
+            self._retry(att, reason, crashed=not (injected or node_lost))
 
     def _on_out_of_service(self, w: WorkerHandle, reason: str) -> None:
         """Its KV receiver stopped: no more handoffs to it; those under way go elsewhere. What it is

@@ -153,7 +153,8 @@ def run_cli(tmp_path, *args, timeout=600):
 def test_sweep_records_crashed_points_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", f"hydra.sweep.dir={sweep}", "compare=null", "layout=1p1d", "model.device=cpu,cuda", "repeats=2",
-            "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60"]
+            "workload.num_requests=6", "workload.rate=30", "cluster.startup_timeout_s=60",
+            "cluster.speed_probe=true"]
     first = run_cli(tmp_path, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     jobs = {"cuda" if "cuda" in p.name else "cpu": p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")}
@@ -171,6 +172,8 @@ def test_sweep_records_crashed_points_and_resumes(tmp_path):
         assert (done / rep / "steps.jsonl").stat().st_size > 0
         rep_metrics = json.loads((done / rep / "metrics.json").read_text())
         assert rep_metrics["ci"]["itl_ms.p99"] is not None
+        assert rep_metrics["pool"]["served"] == "1P+1D (prefill:0, decode:0)" and rep_metrics["pool"]["lost"] == []
+        assert [w["worker"] for w in rep_metrics["pool"]["workers"]] == ["prefill:0", "decode:0"]
         for key in ("speed_probe", "speed_probe_end"):      # the machine's speed before and after serving
             assert sorted(rep_metrics[key]) == ["decode:0", "prefill:0"], key
             assert all(p["decode_s"] > 0 and p["prefill_s"] > 0 for p in rep_metrics[key].values()), key

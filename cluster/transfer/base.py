@@ -63,6 +63,8 @@ class TransferConfig:
     stream: str = "off"                 # off: KV after the prefill | layer: each layer as computed |
                                         # chunk: each prompt chunk's KV once its step is done
     stream_layers: int = 1              # layer: layers per streamed part (group small layers)
+    socket_ifname: str | None = None    # nccl: the network interface for gloo/NCCL sockets; None = the one
+                                        # whose network holds the node's address (cluster/transfer/netif.py)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -70,6 +72,10 @@ class TransferConfig:
         if self.bind_host in ("0.0.0.0", "*", "::"):
             raise ValueError(f"transfer.bind_host={self.bind_host!r}: binding to all interfaces is refused; "
                              "give this node's address")
+        if self.socket_ifname is not None and (not isinstance(self.socket_ifname, str) or not self.socket_ifname
+                                               or any(c.isspace() or c == "," for c in self.socket_ifname)):
+            raise ValueError(f"transfer.socket_ifname={self.socket_ifname!r}: give one interface name (e.g. eth0), "
+                             "or null to find it by the node's address")
         if self.stream not in STREAMS:
             raise ValueError(f"transfer.stream={self.stream!r}: choose one of {list(STREAMS)}")
         for key in ("timeout_s", "chunk_bytes", "max_frame_bytes", "max_pending_bytes", "max_pending",

@@ -26,18 +26,22 @@ backend failing under a receive (a dead peer), as a closed channel.
 An idle receiver waits for the next preamble without a deadline (gloo would otherwise time out an
 idle receive after the group's timeout and silently lose the pair). Sockets bind to the node's own
 address, never all interfaces: the rendezvous store in the driver listens on a socket bound to it
-(pool.py), and gloo/NCCL use the network interface that carries it. Every pair group gets the
-world group's timeout (on NCCL the idle wait), not new_group's default. On a GPU each channel and
+(cluster/wiring.py), and gloo/NCCL use the network interface whose network holds it, or the one
+transfer.socket_ifname names (cluster/transfer/netif.py). Every pair group gets the world group's
+timeout (on NCCL the idle wait), not new_group's default. On a GPU each channel and
 receive thread runs on its own CUDA stream, so waiting for a peer never holds up the engine; a
 received part carries an event on that stream, which the import waits on (staging.py).
+
+Workers are named by their pool ranks; the group's own ranks are their places in `members` (the
+workers a group formed with: a group formed again without a lost worker renumbers, the pool's
+ranks stay). Before joining, the members meet in a rendezvous of their own on the store, which the
+pool can abandon when one of them is lost (cluster/wiring.py).
 """
 from __future__ import annotations
 
 import datetime
-import fcntl
 import os
 import socket
-import struct
 import threading
 import time
 
@@ -47,6 +51,7 @@ import torch.distributed as dist
 from cluster.transfer import staging
 from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused, frames,
                                    hand_over, safe_report)
+from cluster.transfer.netif import interface_for
 from cluster.transfer.wire import (MAX_HEADER_BYTES, WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta,
                                    WireError, decode_cancel, decode_end, decode_header, decode_part)
 
@@ -59,18 +64,39 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def interface_for(address: str) -> str:
-    """The name of the network interface that carries `address` (Linux), e.g. "lo" for 127.0.0.1."""
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue                                # no IPv4 address on this interface
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    raise ValueError(f"no network interface has the address {address!r}")
+ARRIVED, ABANDONED = "pdlab/arrived", "pdlab/abandoned"      # rendezvous keys in the store
+
+
+def rendezvous(store, world_size: int, timeout_s: float) -> None:
+    """Wait until all `world_size` members reached the store, before any joins the group: a member
+    lost on the way then leaves the others here, where the pool's `abandon` frees them at once,
+    not inside the backend's own wait for it (which only the store's timeout ends)."""
+    deadline = time.monotonic() + timeout_s
+    if not store.check([ABANDONED]):
+        store.add(ARRIVED, 1)
+    while not store.check([ABANDONED]) and store.add(ARRIVED, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{store.add(ARRIVED, 0)} of {world_size} members reached the rendezvous "
+                               f"within {timeout_s:g} s")
+        time.sleep(0.02)
+    if store.check([ABANDONED]):
+        raise RuntimeError(f"rendezvous abandoned: {store.get(ABANDONED).decode(errors='replace')}")
+
+
+def abandon(store, world_size: int, reason: str) -> bool:
+    """Tell the members waiting in `rendezvous` to give up. Returns True when every member had passed
+    it (one was lost after): they then wait inside the backend, and only closing the store frees them."""
+    store.set(ABANDONED, reason)
+    return store.add(ARRIVED, 0) >= world_size
+
+
+def leave_group() -> None:
+    """Leave the process group this process joined (or half-joined), so that it can join another."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def bound_listener(host: str) -> socket.socket:
@@ -102,16 +128,17 @@ class NcclChannel:
     def __init__(self, transport: "NcclTransport", dst: int):
         self.t = transport
         self.dst = dst
+        self.to = transport.peer[dst]          # its group rank
         self.group = transport.groups[(transport.rank, dst)]
         staging.own_stream(transport.device)   # channels are made and used in their sender thread
 
     def _message(self, kind: int, meta: bytes, payload: torch.Tensor | None = None) -> None:
         dev = self.t.device
         size = 0 if payload is None else payload.numel() * payload.element_size()
-        dist.send(torch.tensor([kind, len(meta), size], dtype=torch.int64, device=dev), self.dst, group=self.group)
-        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), self.dst, group=self.group)
+        dist.send(torch.tensor([kind, len(meta), size], dtype=torch.int64, device=dev), self.to, group=self.group)
+        dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev), self.to, group=self.group)
         if payload is not None:
-            dist.send(payload.contiguous().reshape(-1).view(torch.uint8), self.dst, group=self.group)
+            dist.send(payload.contiguous().reshape(-1).view(torch.uint8), self.to, group=self.group)
 
     def begin(self, handoff: KVHandoff) -> None:
         encoded = handoff.encode()
@@ -119,7 +146,7 @@ class NcclChannel:
             raise TransferRefused(f"header of {len(encoded)} bytes exceeds {MAX_HEADER_BYTES}")
         self._message(BEGIN, encoded)
         reply = torch.empty(REPLY_BYTES, dtype=torch.uint8, device=self.t.device)
-        dist.recv(reply, self.dst, group=self.group)
+        dist.recv(reply, self.to, group=self.group)
         refused = _refusal(reply)
         if refused is not None:
             raise TransferRefused(f"refused by the receiver: {refused}")
@@ -140,7 +167,7 @@ class NcclChannel:
 
     def close(self) -> None:
         """Tell the receiver this stream is over."""
-        dist.send(torch.zeros(3, dtype=torch.int64, device=self.t.device), self.dst, group=self.group)
+        dist.send(torch.zeros(3, dtype=torch.int64, device=self.t.device), self.to, group=self.group)
         _sync(self.t.device)
 
 
@@ -148,26 +175,34 @@ class NcclTransport:
     name = "nccl"
 
     def __init__(self, cfg: TransferConfig, rank: int, world_size: int, store_host: str, store_port: int,
-                 pairs: list[tuple[int, int]], device: torch.device, bind_host: str = "127.0.0.1"):
+                 pairs: list[tuple[int, int]], device: torch.device, bind_host: str = "127.0.0.1",
+                 members: list[int] | None = None):
+        """`rank`, `pairs`: pool ranks; `members`: the pool ranks in the group, in group-rank order
+        (None: 0..world_size-1)."""
         self.cfg = cfg
         self.rank = rank
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        # gloo and NCCL pick their interface by name; this node's address names it
-        interface = interface_for(bind_host)
+        members = list(range(world_size)) if members is None else list(members)
+        if len(members) != world_size or rank not in members:
+            raise ValueError(f"rank {rank} joins a group of {world_size} with members {members}")
+        self.peer = {r: i for i, r in enumerate(members)}      # pool rank -> group rank
+        # gloo and NCCL pick their interface by name: the one whose network holds this node's address
+        interface = interface_for(bind_host, cfg.socket_ifname)
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
         op_timeout = datetime.timedelta(seconds=max(60.0, 6 * cfg.timeout_s))
         # NCCL's watchdog would abort a receive left waiting longer than the group's timeout, and an
         # idle receiver always waits: on NCCL the group gets the idle wait as its timeout.
         timeout = IDLE_WAIT if self.backend == "nccl" else op_timeout
         store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=op_timeout)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        rendezvous(store, world_size, op_timeout.total_seconds())
+        dist.init_process_group(self.backend, store=store, rank=self.peer[rank], world_size=world_size, timeout=timeout)
         self.groups: dict[tuple[int, int], object] = {}
         self.timeout = timeout
         for src, dst in pairs:                   # every rank creates every group, in the same order; each
             # gets the world's timeout (new_group's default is NCCL's 10 minutes: an idle receiver's
             # posted irecv would be aborted by the watchdog, and its worker with it)
-            group = dist.new_group([src, dst], backend=self.backend, timeout=timeout)
+            group = dist.new_group([self.peer[src], self.peer[dst]], backend=self.backend, timeout=timeout)
             self.groups[(src, dst)] = group
             self.groups[(dst, src)] = group
         self.sources = sorted(src for src, dst in pairs if dst == rank)
@@ -182,11 +217,11 @@ class NcclTransport:
         for src, dst in pairs:
             group = self.groups[(src, dst)]
             if self.rank == src:
-                dist.send(one, dst, group=group)
-                dist.recv(one, dst, group=group)
+                dist.send(one, self.peer[dst], group=group)
+                dist.recv(one, self.peer[dst], group=group)
             elif self.rank == dst:
-                dist.recv(one, src, group=group)
-                dist.send(one, src, group=group)
+                dist.recv(one, self.peer[src], group=group)
+                dist.send(one, self.peer[src], group=group)
         _sync(self.device)
 
     @property
@@ -238,7 +273,7 @@ class NcclTransport:
     def _recv(self, t: torch.Tensor, src: int, idle: bool = False) -> None:
         """One receive from `src`; a failure of the backend is _Backend (the stream is over)."""
         try:
-            work = dist.irecv(t, src, group=self.groups[(src, self.rank)])
+            work = dist.irecv(t, self.peer[src], group=self.groups[(src, self.rank)])
             work.wait(IDLE_WAIT) if idle else work.wait()
         except Exception as e:
             raise _Backend() from e
@@ -326,7 +361,7 @@ class NcclTransport:
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
         try:
-            dist.send(t, dst, group=self.groups[(dst, self.rank)])
+            dist.send(t, self.peer[dst], group=self.groups[(dst, self.rank)])
         except Exception as e:
             raise _Backend() from e
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 import traceback
 from collections import Counter
@@ -108,7 +109,8 @@ def ensure_ray(spec: RunSpec) -> None:
 
     cluster = spec.cluster
     if cluster.address is None:
-        gpus = cluster.num_gpus if cluster.num_gpus is not None else (torch.cuda.device_count() or spec.gpus)
+        fake = max(spec.gpus, math.ceil(cluster.num_gpus_needed))      # on CPU: enough for the layout's share
+        gpus = cluster.num_gpus if cluster.num_gpus is not None else (torch.cuda.device_count() or fake)
         cluster = dataclasses.replace(cluster, num_gpus=gpus)
         if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) < gpus:
             stop_ray()
@@ -195,6 +197,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
         after = snapshot()
         traces = router.traces()          # steps on the router's clock, like the requests
         end_probe = pool.probe() if spec.cluster.speed_probe else None   # the same, once it has served
+        served_on = pool.record()     # the layout served, each worker's place, workers lost (docs/faults.md)
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]
@@ -208,6 +211,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["machine"] = usage(before, after) | {"workers_share_cores": p.shared is not None, "shared_cores": p.shared}
     metrics["repeat"], metrics["point"] = repeat, ident
     metrics["isolation"] = pool.isolation
+    metrics["pool"] = served_on
     if pool.speed is not None:
         metrics["speed_probe"] = pool.speed
     if end_probe is not None:
