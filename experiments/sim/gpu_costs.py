@@ -257,7 +257,10 @@ def _check(gpu: str, framework: str, dtype_bytes: int) -> None:
 
 def _installed() -> bool:
     import importlib.util
-    return importlib.util.find_spec("aiconfigurator_core") is not None
+    try:
+        return importlib.util.find_spec("aiconfigurator_core") is not None
+    except (ImportError, ValueError, AttributeError):     # a module entry that is None or has no spec
+        return False
 
 
 def open_engine(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2):
