@@ -94,7 +94,7 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
     chunks = [ch if ch == controlled.WHOLE else int(ch) for ch in c.chunks]
     before = snapshot()
     res = controlled.run(model, chunks, c.num_decodes, c.context, c.prompt_len, c.repeats, c.lead, c.tail,
-                         float(c.link_bw), cfg.seed)
+                         float(c.link_bw), cfg.seed, clock=c.get("clock", "wall"))
     machine = usage(before, snapshot())
     rows = [{"chunk": r["chunk"], **{k: r[k] for k in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms")},
              "samples": r["samples"]} for r in res["rows"] if r["policy"] == "chunked"]
@@ -110,7 +110,7 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
     figures.tradeoff_plot(res["rows"], out / "chunking_tradeoff.png",
                           f"Chunk size trades the decodes' stall against the prompt's TTFT ({c.repeats} rounds, "
                           "median and 95% interval)")
-    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw")}
+    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw", "clock")}
     stall |= {"device": device, "refs": refs, "timeline": timeline, "machine": machine}
     return rows, stall
 
