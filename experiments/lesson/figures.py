@@ -113,48 +113,24 @@ PART_COLORS = {"queue": "tab:gray", "prefill": "tab:red", "exposed_transfer": "t
 
 
 def breakdown_plot(bars: list[tuple[str, dict]], path, title: str) -> None:
-    """Stacked horizontal bars: a request's mean time in each part, one bar per (label, breakdown)."""
+    """Stacked horizontal bars: a request's mean time in each part, one bar per (label, breakdown); left the
+    whole request, right the parts before the decode steps (drawn to their own scale, as decode dominates)."""
     from experiments.lesson.rates import PART_NAMES, PARTS
 
-    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * len(bars)))
-    for i, (label, b) in enumerate(bars):
-        left = 0.0
-        for p in PARTS:
-            v = (b.get("mean_ms") or {}).get(p) or 0.0
-            ax.barh(i, v, left=left, color=PART_COLORS[p], label=PART_NAMES[p] if i == 0 else None)
-            left += v
-    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("mean time per request (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def link_plot(by_slo: dict, path, title: str) -> None:
-    """The winner over link bandwidth at the crossover shape, one strip per SLO, the crossover (the highest
-    bandwidth at which disaggregation loses though it wins above) marked; the cell at the map's link is the
-    map's own simulation (experiments/analysis/decision_sim.py), so strip and map agree there."""
-    from experiments.lesson.plots import CELL_NAMES, MODE_COLORS
-
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(by_slo)))
-    for j, (name, s) in enumerate(by_slo.items()):
-        bl = s["by_link"]
-        for i, (bw, w) in enumerate(zip(bl["link_bws"], bl["winners"])):
-            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.4), 1, 0.8, color=MODE_COLORS.get(w, "#999"), alpha=0.75))
-            ax.text(i, j, CELL_NAMES.get(w, w), ha="center", va="center", fontsize=7)
-        if bl["crossover_link_bw"] is not None:
-            k = bl["link_bws"].index(bl["crossover_link_bw"])
-            ax.plot([k + 0.5, k + 0.5], [j - 0.45, j + 0.45], color="black", lw=3)
-    bws = next(iter(by_slo.values()))["by_link"]["link_bws"] if by_slo else []
-    ax.set_xticks(range(len(bws)), [f"{bw / 1e9:g}" for bw in bws])
-    ax.set_yticks(range(len(by_slo)), [f"{k} SLO" for k in by_slo])
-    ax.set_xlim(-0.5, len(bws) - 0.5)
-    ax.set_ylim(-0.5, len(by_slo) - 0.5)
-    ax.set_xlabel("KV link bandwidth (GB/s); a thick edge marks the crossover")
-    ax.set_title(title, fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.55 * len(bars)), sharey=True)
+    for ax, parts, xlabel in ((axes[0], PARTS, "mean time per request (ms)"),
+                              (axes[1], [p for p in PARTS if p != "decode"], "before the decode steps (ms)")):
+        for i, (label, b) in enumerate(bars):
+            left = 0.0
+            for p in parts:
+                v = (b.get("mean_ms") or {}).get(p) or 0.0
+                ax.barh(i, v, left=left, color=PART_COLORS[p], label=PART_NAMES[p] if i == 0 else None)
+                left += v
+        ax.set_xlabel(xlabel)
+    axes[0].set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
