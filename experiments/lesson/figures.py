@@ -134,3 +134,30 @@ def breakdown_plot(bars: list[tuple[str, dict]], path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def link_plot(by_slo: dict, path, title: str) -> None:
+    """The winner over link bandwidth at the crossover shape, one strip per SLO, the crossover (the highest
+    bandwidth at which disaggregation loses though it wins above) marked; the cell at the map's link is the
+    map's own simulation (experiments/analysis/decision_sim.py), so strip and map agree there."""
+    from experiments.lesson.plots import CELL_NAMES, MODE_COLORS
+
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(by_slo)))
+    for j, (name, s) in enumerate(by_slo.items()):
+        bl = s["by_link"]
+        for i, (bw, w) in enumerate(zip(bl["link_bws"], bl["winners"])):
+            ax.add_patch(plt.Rectangle((i - 0.5, j - 0.4), 1, 0.8, color=MODE_COLORS.get(w, "#999"), alpha=0.75))
+            ax.text(i, j, CELL_NAMES.get(w, w), ha="center", va="center", fontsize=7)
+        if bl["crossover_link_bw"] is not None:
+            k = bl["link_bws"].index(bl["crossover_link_bw"])
+            ax.plot([k + 0.5, k + 0.5], [j - 0.45, j + 0.45], color="black", lw=3)
+    bws = next(iter(by_slo.values()))["by_link"]["link_bws"] if by_slo else []
+    ax.set_xticks(range(len(bws)), [f"{bw / 1e9:g}" for bw in bws])
+    ax.set_yticks(range(len(by_slo)), [f"{k} SLO" for k in by_slo])
+    ax.set_xlim(-0.5, len(bws) - 0.5)
+    ax.set_ylim(-0.5, len(by_slo) - 0.5)
+    ax.set_xlabel("KV link bandwidth (GB/s); a thick edge marks the crossover")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
