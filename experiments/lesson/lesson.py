@@ -8,6 +8,7 @@ run directories of the end-to-end measurements (each readable by experiments.rep
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -302,7 +303,10 @@ def run(cfg: DictConfig, out: Path) -> dict:
     results["interference"] = interference_section(cfg, model, hw, where, out)
     print(f"3/6 the stall and chunked prefill, controlled, on {where}")
     results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
-    del model
+    del model                               # the served workers load their own: free this one's device memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     runs = out / "runs"
     print("4/6 chunked prefill end to end, and goodput against rate, served here")
     results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
