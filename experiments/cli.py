@@ -19,6 +19,7 @@ COMMANDS = {   # name: (module, what it does)
     "profile": ("experiments.profile", "profile this device's step times for the simulator"),
     "validate": ("experiments.validate", "the simulator against a real run (and a real run against another)"),
     "plan": ("experiments.plan", "plan a deployment: colocated or disaggregated, and the P:D split"),
+    "peer": ("experiments.analysis.peer", "the planner's choice beside aiconfigurator's agg-vs-disagg recommendation"),
     "gpu-check": ("experiments.gpu_check", "check every GPU path on the first visible GPU, in minutes"),
     "generate": ("workers.generate", "greedy or sampled generation from one in-process engine"),
 }

@@ -305,8 +305,36 @@ def roofline(device: str, sh: dict) -> dict:
         prefill[f"P{n}"] = {"step_ms": med, "tflops": achieved / 1e12, "of_matmul_peak": achieved / flops}
     ok = all(0 < d["floor_over_step"] <= 1.05 for d in decode.values()) and all(
         0 < p["of_matmul_peak"] <= 1.05 for p in prefill.values())
+    db = _beside_database(device, cfg, dtype_bytes, decode, prefill)     # informational: not part of ok
     return {"matmul_peak_tflops": flops / 1e12, "copy_bandwidth_gbs": bw / 1e9, "decode": decode,
-            "prefill": prefill, "ok": bool(ok)}
+            "prefill": prefill, "database": db, "ok": bool(ok)}
+
+
+def _beside_database(device: str, cfg, dtype_bytes: int, decode: dict, prefill: dict) -> str:
+    """Adds `db_ms` (the same step in NVIDIA's measured vLLM database for this GPU, experiments/sim/
+    gpu_costs.py) and `step_over_db` to each measured step; returns the database's name or why none."""
+    try:
+        import torch
+
+        from experiments.sim.gpu_costs import choose
+        from experiments.sim.stepmodel import chunk_features, roofline_model
+        name = torch.cuda.get_device_name(torch.device(device)).lower() if device.startswith("cuda") else ""
+        gpu = next((g for g in ("h200", "h100", "a100") if g in name), None)
+        if gpu is None:
+            return f"none for {name or device}"
+        step, why = choose(cfg, gpu, roofline_model(cfg, gpu, dtype_bytes), "auto", dtype_bytes=dtype_bytes)
+        if why is not None:
+            return f"none: {why}"
+        for key, d in decode.items():
+            batch, context = (int(x) for x in key[1:].split("_C"))
+            d["db_ms"] = 1e3 * step.time(chunk_features(batch, batch * context, []))
+            d["step_over_db"] = d["step_ms"] / d["db_ms"]
+        for key, p in prefill.items():
+            p["db_ms"] = 1e3 * step.time(chunk_features(0, 0, [(int(key[1:]), 0, True)]))
+            p["step_over_db"] = p["step_ms"] / p["db_ms"]
+        return step.name
+    except Exception as e:                       # noqa: BLE001 - a comparison, never a reason to fail the stage
+        return f"none: {type(e).__name__}: {e}"
 
 
 def interference(device: str, sh: dict) -> dict:

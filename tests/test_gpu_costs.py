@@ -51,6 +51,12 @@ def test_steps_are_priced_from_the_tables():
     # decode-only: the decode table, read at the mean context, linear between grid contexts
     assert m.time(chunk_features(32, 32 * 1024, [])) == pytest.approx((4.0 + 0.32 + 1e-5 * 32 * 1024) / 1e3)
     assert m.time(chunk_features(8, 8 * 1000, [])) == pytest.approx((4.0 + 0.08 + 1e-5 * 8 * 1000) / 1e3)
+    big = Grid(max_batch=512)                 # a batch between two rows of the table: linear between them
+    assert 100 not in big.batches() and {96, 104, 288, 512} <= set(big.batches())
+    wide = MeasuredStepModel(build_tables(FakeHandle(), big, "fake db"), roofline_model(CFG, "h200"))
+    assert wide.time(chunk_features(100, 100 * 700, [])) == pytest.approx((4.0 + 1.0 + 1e-5 * 100 * 700) / 1e3)
+    assert wide.decode_run(300, 300 * 700, 2) == pytest.approx([(4.0 + 3.0 + 1e-5 * (300 * 700 + 300 * i)) / 1e3
+                                                               for i in range(2)])
     run = m.decode_run(8, 8 * 1000, 3)
     assert run == pytest.approx([(4.08 + 1e-5 * 8 * (1000 + i)) / 1e3 for i in range(3)])
     # with a prompt: shared(all tokens) + the prompt's attention at its pairs + the decodes' attention
@@ -213,3 +219,43 @@ def test_the_lessons_gpu_figures_carry_the_measured_steps(monkeypatch, tmp_path)
     assert "Measured on the h200 (NVIDIA's per-operation database, fake h200" in md
     assert "the roofline's and NVIDIA's database's, not measurements of this run" in md
     assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tables_are_kept_on_disk_by_what_they_depend_on(monkeypatch, tmp_path):
+    opened = []
+
+    def fake_open(cfg, gpu, framework="vllm", dtype_bytes=2):
+        opened.append(gpu)
+        return FakeHandle(), f"fake {gpu}"
+    monkeypatch.setattr(gpu_costs, "CACHE", tmp_path)
+    monkeypatch.setattr(gpu_costs, "open_engine", fake_open)
+    monkeypatch.setattr(gpu_costs, "_installed", lambda: True)
+    monkeypatch.setattr(gpu_costs, "_TABLES", {})
+    first = gpu_costs.measured_tables(CFG, "h200", grid=GRID)
+    monkeypatch.setattr(gpu_costs, "_TABLES", {})             # a new process: only the disk remembers
+    again = gpu_costs.measured_tables(CFG, "h200", grid=GRID)
+    assert opened == ["h200"] and again == first and again.source == "fake h200"
+    gpu_costs.measured_tables(CFG, "h100", grid=GRID)          # another GPU, another file
+    gpu_costs.measured_tables(preset("llama-3.2-1b"), "h200", grid=GRID)   # another shape, another directory
+    assert opened == ["h200", "h100", "h200"] and len(list(tmp_path.glob("*/tables-*.json"))) == 3
+    monkeypatch.setattr(gpu_costs, "_installed", lambda: False)
+    monkeypatch.setattr(gpu_costs, "_TABLES", {})
+    with pytest.raises(SourceUnavailable, match="not installed"):   # uninstalled: no stale tables
+        gpu_costs.measured_tables(CFG, "h200", grid=GRID)
+
+
+def test_the_gpu_check_puts_the_database_beside_its_measured_steps(monkeypatch):
+    import torch
+
+    from experiments import gpu_check
+
+    monkeypatch.setattr(gpu_costs, "measured_tables", lambda *a: build_tables(FakeHandle(), GRID, "fake h200"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    decode, prefill = {"B32_C1024": {"step_ms": 8.0}}, {"P2048": {"step_ms": 50.0}}
+    assert gpu_check._beside_database("cuda:0", CFG, 2, decode, prefill) == "fake h200"
+    want = 4.0 + 0.32 + 1e-5 * 32 * 1024
+    assert decode["B32_C1024"]["db_ms"] == pytest.approx(want) and decode["B32_C1024"]["step_over_db"] == pytest.approx(8 / want)
+    assert prefill["P2048"]["db_ms"] == pytest.approx(3 + 0.02 * 2048 + 1e-6 * 2048**2, rel=0.01)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA L4")
+    assert gpu_check._beside_database("cuda:0", CFG, 2, {}, {}) == "none for nvidia l4"
+    assert gpu_check._beside_database("cpu", CFG, 2, {}, {}) == "none for cpu"

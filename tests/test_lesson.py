@@ -212,12 +212,12 @@ def test_an_episode_counts_the_gaps_while_the_prompt_is_in():
     # steady 1 s gaps, the prompt in from 3 to 7 with a 3 s gap, then steady again
     ep = Episode("x", inject_s=3.0, first_token_s=7.0, decode_times={"d0": [1.0, 2.0, 3.0, 4.0, 7.0, 8.0, 9.0]})
     inside, before = ep.gaps()
-    assert before == [1.0, 1.0] and inside == [1.0, 3.0, 1.0]     # up to the first token after the prompt's
+    assert before == [1.0, 1.0] and inside == [1.0, 3.0]     # the gaps that overlap the prompt's time in
     m = ep.metrics()
     assert m["stall_ms"] == pytest.approx(3000.0) and m["ttft_ms"] == pytest.approx(4000.0)
     assert m["steady_ms"] == pytest.approx(1000.0)
     ep.window_end_s = 8.0                                          # disaggregated: closes at the decode side's step
-    assert ep.gaps()[0] == [1.0, 3.0, 1.0, 1.0] and ep.metrics()["ttft_ms"] == pytest.approx(4000.0)
+    assert ep.gaps()[0] == [1.0, 3.0, 1.0] and ep.metrics()["ttft_ms"] == pytest.approx(4000.0)
 
 
 def test_controlled_experiment_rows_and_timeline_follow_the_schedule():

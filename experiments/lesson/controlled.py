@@ -12,16 +12,19 @@ warm-up round, so that drift of the machine hits every setup alike.
 
 Time is each engine's own: the sum of its measured step durations (plus, disaggregated, the measured
 KV import on the decode worker), so a gap between episodes or another setup's steps never counts.
+`clock="wall"` times steps as a user waits for them; `clock="cpu"` by this process's CPU time (every
+thread's), which leaves out waiting for a CPU that other processes hold: on a shared machine it keeps
+the setups comparable, though it counts work, not latency (two threads busy for 1 ms count 2 ms).
 Disaggregated: the prompt is prefilled on a separate prefill-role engine as if on its own device (the
 time of that step is measured and placed on the same axis from the injection); its KV is exported and
 imported (both copies measured) and it joins the decode worker at the first step boundary after the
 prefill, the export and the link's transfer time (`link_bw`; 0 means the measured copy only) have
 passed. The running decodes therefore see only the import.
 
-Per episode: `stall_ms`, the decodes' largest inter-token gap that ends after the injection and no later
-than each decode's first token after the prompt's first token; `itl_p99_ms` over the same gaps;
-`ttft_ms`, from the injection to the prompt's first token; `steady_ms`, the median gap before the
-injection. Reported per setup as median [95% interval] over the rounds.
+Per episode: `stall_ms`, the decodes' largest inter-token gap that overlaps the prompt's time in (from
+the injection to its first token; disaggregated, to its first step on the decode worker);
+`itl_p99_ms` over the same gaps; `ttft_ms`, from the injection to the prompt's first token;
+`steady_ms`, the median gap before the injection. Reported per setup as median [95% interval] over the rounds.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from workers.events import TokenEvent
 from workers.request import SamplingParams
 
 WHOLE = "whole"
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}   # cpu: this process's CPU time, all threads
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,10 @@ class Episode:
         """(gaps while the prompt was in, gaps before the injection), in seconds (module docstring)."""
         inside, before = [], []
         for times in self.decode_times.values():
-            after = next((t for t in times if t > self.end_s + 1e-12), None)
             for a, b in zip(times, times[1:]):
                 if b <= self.inject_s:
                     before.append(b - a)
-                elif after is None or b <= after:
+                elif a < self.end_s - 1e-12:        # the gap overlaps the prompt's time in
                     inside.append(b - a)
         return inside, before
 
@@ -104,8 +107,9 @@ class Bench:
     """One setup's engine(s) and clock, its decodes kept running from episode to episode."""
 
     def __init__(self, model, setup: Setup, num_decodes: int, context: int, prompt_len: int, max_tokens: int,
-                 link_bw: float, gen: torch.Generator):
+                 link_bw: float, gen: torch.Generator, clock: str = "wall"):
         self.model, self.setup, self.prompt_len, self.link_bw, self.gen = model, setup, prompt_len, link_bw, gen
+        self.clock = CLOCKS[clock]
         cfg = model.cfg
         block = 16
         max_len = context + max_tokens + prompt_len + 8
@@ -142,9 +146,9 @@ class Bench:
         return torch.randint(self.model.cfg.vocab_size, (n,), generator=self.gen).tolist()
 
     def _step(self, times: dict) -> list:
-        start = time.perf_counter()
+        start = self.clock()
         events = self.engine.step()
-        self.now += time.perf_counter() - start
+        self.now += self.clock() - start
         for e in events:
             if isinstance(e, TokenEvent) and e.request_id in times:
                 times[e.request_id].append(self.now)
@@ -176,15 +180,15 @@ class Bench:
         return ep
 
     def _disaggregated(self, ep: Episode, pid: str, prompt: list[int], params: SamplingParams, times: dict) -> None:
-        start = time.perf_counter()
+        start = self.clock()
         self.prefill.add_request(pid, prompt, params)
         first = None
         while first is None:
             first = next((e.token for e in self.prefill.step() if isinstance(e, TokenEvent) and e.request_id == pid),
                          None)
-        prefilled = time.perf_counter()
+        prefilled = self.clock()
         kv = self.prefill.export_kv(pid)
-        exported = time.perf_counter()
+        exported = self.clock()
         self.prefill.release(pid)
         link = kv.numel() * kv.element_size() / self.link_bw if self.link_bw else 0.0
         ep.prefill_ms = 1e3 * (prefilled - start)
@@ -192,9 +196,9 @@ class Bench:
         due = ep.first_token_s + (exported - prefilled) + link
         while self.now < due:                       # the decodes go on while the prompt is elsewhere
             self._step(times)
-        t = time.perf_counter()
+        t = self.clock()
         self.engine.import_request(pid, prompt, first, params, kv)
-        self.now += time.perf_counter() - t           # the import is the decode worker's time
+        self.now += self.clock() - t           # the import is the decode worker's time
         ep.joined_s = self.now
         ep.handoff_ms = 1e3 * (ep.joined_s - ep.first_token_s)
         while True:                                   # the prompt's second token: its first step here
@@ -205,9 +209,11 @@ class Bench:
 
 
 def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, repeats: int, lead: int = 3,
-        tail: int = 2, link_bw: float = 0.0, seed: int = 0, disaggregated: bool = True) -> dict:
+        tail: int = 2, link_bw: float = 0.0, seed: int = 0, disaggregated: bool = True, clock: str = "wall") -> dict:
     """The experiment of the module docstring: {"rows": [per setup: chunk, stall_ms, ttft_ms, itl_p99_ms,
     steady_ms as [median, low, high]], "timeline": one round's episodes, "episodes": every metric}."""
+    if clock not in CLOCKS:
+        raise ValueError(f"chunking_controlled.clock={clock!r}: choose {' or '.join(CLOCKS)}")
     if repeats < 2:
         raise ValueError(f"chunking_controlled.repeats={repeats}: at least 2 rounds are needed for an interval")
     bad = [c for c in chunks if c != WHOLE and (not isinstance(c, int) or c < 1 or c > prompt_len)]
@@ -219,7 +225,7 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     steps = {s.label: lead + tail + 4 + (-(-prompt_len // (prompt_len if s.chunk in (None, WHOLE) else s.chunk)))
              for s in plan}
     most = max(steps.values()) * (repeats + 1) * 2 + 16       # the decodes' tokens over every episode
-    benches = {s.label: Bench(model, s, num_decodes, context, prompt_len, most, link_bw, gen) for s in plan}
+    benches = {s.label: Bench(model, s, num_decodes, context, prompt_len, most, link_bw, gen, clock) for s in plan}
     episodes: dict[str, list[Episode]] = {s.label: [] for s in plan}
     for k in range(repeats + 1):
         shift = k % len(plan)
@@ -239,4 +245,4 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     median_round = repeats // 2
     timeline = {s.label: episodes[s.label][median_round].to_dict() for s in plan}
     return {"num_decodes": num_decodes, "context": context, "prompt_len": prompt_len, "repeats": repeats,
-            "lead": lead, "tail": tail, "link_bw": link_bw, "rows": rows, "timeline": timeline}
+            "lead": lead, "tail": tail, "link_bw": link_bw, "clock": clock, "rows": rows, "timeline": timeline}

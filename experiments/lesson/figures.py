@@ -113,21 +113,24 @@ PART_COLORS = {"queue": "tab:gray", "prefill": "tab:red", "exposed_transfer": "t
 
 
 def breakdown_plot(bars: list[tuple[str, dict]], path, title: str) -> None:
-    """Stacked horizontal bars: a request's mean time in each part, one bar per (label, breakdown)."""
+    """Stacked horizontal bars: a request's mean time in each part, one bar per (label, breakdown); left the
+    whole request, right the parts before the decode steps (drawn to their own scale, as decode dominates)."""
     from experiments.lesson.rates import PART_NAMES, PARTS
 
-    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * len(bars)))
-    for i, (label, b) in enumerate(bars):
-        left = 0.0
-        for p in PARTS:
-            v = (b.get("mean_ms") or {}).get(p) or 0.0
-            ax.barh(i, v, left=left, color=PART_COLORS[p], label=PART_NAMES[p] if i == 0 else None)
-            left += v
-    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("mean time per request (ms)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.55 * len(bars)), sharey=True)
+    for ax, parts, xlabel in ((axes[0], PARTS, "mean time per request (ms)"),
+                              (axes[1], [p for p in PARTS if p != "decode"], "before the decode steps (ms)")):
+        for i, (label, b) in enumerate(bars):
+            left = 0.0
+            for p in parts:
+                v = (b.get("mean_ms") or {}).get(p) or 0.0
+                ax.barh(i, v, left=left, color=PART_COLORS[p], label=PART_NAMES[p] if i == 0 else None)
+                left += v
+        ax.set_xlabel(xlabel)
+    axes[0].set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,6 +8,7 @@ run directories of the end-to-end measurements (each readable by experiments.rep
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -117,7 +118,7 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
     chunks = [ch if ch == controlled.WHOLE else int(ch) for ch in c.chunks]
     before = snapshot()
     res = controlled.run(model, chunks, c.num_decodes, c.context, c.prompt_len, c.repeats, c.lead, c.tail,
-                         float(c.link_bw), cfg.seed)
+                         float(c.link_bw), cfg.seed, clock=c.get("clock", "wall"))
     machine = usage(before, snapshot())
     rows = [{"chunk": r["chunk"], **{k: r[k] for k in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms")},
              "samples": r["samples"]} for r in res["rows"] if r["policy"] == "chunked"]
@@ -133,7 +134,7 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
     figures.tradeoff_plot(res["rows"], out / "chunking_tradeoff.png",
                           f"Chunk size trades the decodes' stall against the prompt's TTFT ({c.repeats} rounds, "
                           "median and 95% interval)")
-    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw")}
+    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw", "clock")}
     stall |= {"device": device, "refs": refs, "timeline": timeline, "machine": machine}
     return rows, stall
 
@@ -325,7 +326,10 @@ def run(cfg: DictConfig, out: Path) -> dict:
     results["interference"] = interference_section(cfg, model, hw, where, out)
     print(f"3/6 the stall and chunked prefill, controlled, on {where}")
     results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
-    del model
+    del model                               # the served workers load their own: free this one's device memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     runs = out / "runs"
     print("4/6 chunked prefill end to end, and goodput against rate, served here")
     results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)

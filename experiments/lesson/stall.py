@@ -39,7 +39,9 @@ def controlled(r: dict, n: int) -> str:
         "(the decodes and a chunk of the prompt in every step), and disaggregated (the prompt prefilled on a "
         f"separate engine as if on its own device, its KV exported and imported, {link}; the decodes' worker only "
         f"imports it). Each setup runs {st['repeats']} rounds, one episode per round in a rotated order, after a "
-        "warm-up round; each setup's time is its own engine's measured steps, so the setups share one time axis. "
+        "warm-up round; each setup's time is its own engine's measured steps, so the setups share one time axis"
+        + ("" if st.get("clock", "wall") == "wall" else
+           ", timed by this process's CPU time (work, not waiting for a CPU other processes held)") + ". "
         f"The stall is the largest gap between a running decode's tokens while the prompt is in; medians with {CI} "
         "intervals over the rounds (`experiments/lesson/controlled.py`).",
         "",
@@ -80,6 +82,11 @@ def controlled(r: dict, n: int) -> str:
     return "\n".join(lines)
 
 
+def _ratio(p: dict) -> str:
+    ci = p.get("inflation_ci")
+    return f"{num(p['inflation'])}x" + (f" [{num(ci[0])}, {num(ci[1])}]" if ci else "")
+
+
 def on_gpu(r: dict, n: int) -> str:
     """What changes on a GPU, from the roofline, the interference measured here and the costs the simulation used."""
     rf = r["roofline"]
@@ -98,13 +105,18 @@ def on_gpu(r: dict, n: int) -> str:
         f"{d['bound']}-bound (intensity {num(d['intensity'])} FLOP per byte against a ridge of {num(h['ridge'])}), "
         f"and the same step with a {p}-token chunk at {num(m['time_ms'])} ms, {num(m['time_ms'] / d['time_ms'])}x. "
         f"Here ({r['device']}, ridge {num(here['ridge'])} FLOP per byte) the largest measured step, B={big['batch']} "
-        f"with P={big['chunk']}, was {num(big['inflation'])}x the decode-only step. The ratio, not the milliseconds, "
-        "is what carries over: a decode step on a GPU is bound by reading the weights and the KV cache, so a few "
-        "prompt tokens beside it are nearly free until the chunk's compute passes that read time, after which each "
-        "extra token stretches every running request's next token; on a CPU compute and memory are closer together "
-        "and the knee comes earlier. The transfer also changes: KV moves over NVLink or the network instead of "
-        f"loopback copies, which the simulated map prices at {num(sim['link_bw'] / 1e9)} GB/s per link and sweeps "
-        "over link bandwidth.",
+        f"with P={big['chunk']}, was {_ratio(big)} the decode-only step. What carries over is the shape, not the "
+        + ("milliseconds: a memory-bound decode step is paced by reading the weights and the KV cache, so prompt "
+           "tokens beside it cost little until the chunk's compute passes that read time, and past that each extra "
+           "token stretches every running request's next token. Where that happens follows the ridge: "
+           if d["bound"] == "memory" else
+           "milliseconds, and at this shape the roofline finds the decode step compute-bound already, so every prompt "
+           "token beside it stretches the step. The ridge sets how soon: ")
+        + ("here it is lower than the GPU's, so on the GPU a step takes more prompt tokens before it stretches."
+           if here["ridge"] < h["ridge"] else
+           "here it is no lower than the GPU's, so on the GPU a step stretches at no more prompt tokens than here.")
+        + " The transfer also changes: KV moves over NVLink or the network instead of loopback copies, which the "
+        f"simulated map prices at {num(sim['link_bw'] / 1e9)} GB/s per link and sweeps over link bandwidth.",
         "",
         f"The GPU numbers in this lesson are {sim['source']}. To measure them instead, run the same command on a GPU "
         "node with the model there (`python -m experiments.lesson model=llama-3-8b`): the measured sections then "

@@ -133,7 +133,7 @@ def measured(r: dict, n: int) -> str:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"With {b} decodes the decode-only step took {num(base['step_ms'])} ms (median of {rounds} rounds). "
+        f"With B={b} decodes the decode-only step took {num(base['step_ms'])} ms (median of {rounds} rounds). "
         f"{_cap(_chunk_ratio(big))}; {_chunk_ratio(small)}. While a step runs, every running request's next "
         "token waits for it.",
         "",

@@ -4,7 +4,8 @@
 link, the host time a prefill worker spends exporting a request's KV and a decode worker importing it,
 and the latency of the router's messages: `dispatch_s` from the router's submit to the worker's inbox,
 `return_s` from a worker's step end to the router stamping its tokens. `source` says where the numbers
-come from ("profile <file>" or "roofline <hardware>"), and every simulated run records it.
+come from ("profile <file>", "aiconfigurator <system> <framework> <version> ..." or "roofline <hardware>"),
+and every simulated run records it.
 
 `from_profile` reads a profile of the device at hand (experiments/analysis/profile.py writes it);
 `from_gpu` prices a datasheet GPU's steps from NVIDIA's measured database (aiconfigurator-core, the

@@ -5,7 +5,7 @@ measured on datacenter GPUs (GEMMs, attention, norms, ...) for vLLM, SGLang and 
 composes them into the time of one engine step. pdlab asks it for three things, once per (model, GPU,
 framework), on a grid of shapes, and keeps them as tables (`Tables`):
 
-  decode_ms[b][c]     a decode-only step of b sequences, each with c tokens cached
+  decode_ms[b][c]     a decode-only step of b sequences, each with c tokens cached (Grid: which b, c)
                       (`decode_step_latency(b, c, 0)`: every sequence attends c + 1 keys)
   shared_ms[t]        the non-attention work of a step of t tokens (GEMMs, norms, logits), from
                       `mixed_step_breakdown(t, 0, t, 1)`: it depends on the step's token count only
@@ -27,15 +27,18 @@ hardware.costs=aiconfigurator insists (an error names what is missing); hardware
 it. A shape beyond the tables (a batch, context or token count past the grid, which spans the engine's
 limits) or a grid point the database refuses is priced by the roofline, and counted (`fallback_steps`,
 `fallback_points`). Every result names its source: "aiconfigurator <system> <framework> <version>" or
-"roofline <gpu> (...)".
+"roofline <gpu> (...)". The tables are kept on disk (CACHE), named by the model's shape, the database's
+framework version, aiconfigurator-core's version and the grid, so a later process skips the database.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,11 +58,16 @@ class SourceUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Grid:
-    """Shapes the tables hold: every batch 1..max_batch, contexts and token counts up to their maxima."""
+    """Shapes the tables hold: batches up to max_batch (every one to 64, then every 8 to 256, every 32
+    beyond; a step between two is read linearly between them), contexts and token counts up to theirs."""
 
     max_batch: int = 1024
     max_context: int = 8192
     max_tokens: int = 16384
+
+    def batches(self) -> list[int]:
+        pts = set(range(1, 65)) | set(range(72, 257, 8)) | set(range(288, self.max_batch + 1, 32)) | {self.max_batch}
+        return sorted(p for p in pts if p <= self.max_batch)
 
     def contexts(self) -> list[int]:
         pts = {1, self.max_context}
@@ -106,7 +114,7 @@ def _ms(fn, *args) -> float:
 def build_tables(handle, grid: Grid, source: str) -> Tables:
     """Tables from an engine handle with aiconfigurator's EngineHandle methods `decode_step_latency` and
     `mixed_step_breakdown` (a fake one in tests)."""
-    batches, contexts, tokens = list(range(1, grid.max_batch + 1)), grid.contexts(), grid.tokens()
+    batches, contexts, tokens = grid.batches(), grid.contexts(), grid.tokens()
     decode = [[_ms(handle.decode_step_latency, b, c, 0) for c in contexts] for b in batches]
 
     def part(i, *args):
@@ -134,7 +142,7 @@ class MeasuredStepModel:
         self.name = tables.source
         self.gap_coef = tuple(fallback.gap_coef)
         self.fallback_steps = 0
-        self._b_max, self._c = tables.batches[-1], np.asarray(tables.contexts, dtype=float)
+        self._bl, self._b_max, self._c = list(tables.batches), tables.batches[-1], np.asarray(tables.contexts, dtype=float)
         self._t = np.asarray(tables.tokens, dtype=float)
         self._dec = np.asarray(tables.decode_ms, dtype=float) / 1e3        # [B, C] seconds
         self._datt = np.asarray(tables.decode_attn_ms, dtype=float) / 1e3  # [B, C]
@@ -142,6 +150,11 @@ class MeasuredStepModel:
         n = self._t
         self._pairs = n * (n + 1) / 2                                      # a prompt's attended pairs
         self._patt = np.asarray(tables.prefill_attn_ms, dtype=float) / 1e3
+        # the same as plain lists: a step's time is read with bisect, which is several times faster
+        # than numpy on one number (the simulator asks for millions of steps)
+        self._cl, self._tl, self._pl = self._c.tolist(), self._t.tolist(), self._pairs.tolist()
+        self._decl, self._dattl = self._dec.tolist(), self._datt.tolist()
+        self._sharedl, self._pattl = self._shared.tolist(), self._patt.tolist()
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
         return 1.0
@@ -149,8 +162,18 @@ class MeasuredStepModel:
     def gap(self, num_seqs: int, quiet: bool = False) -> float:
         return self.gap_coef[0] + self.gap_coef[1] * num_seqs
 
-    def _row(self, table: np.ndarray, b: int, ctx) -> np.ndarray | float:
-        return np.interp(ctx, self._c, table[b - 1])
+    def _rows(self, b: int) -> tuple[int, int, float]:
+        """The table rows around batch b and b's weight on the upper one."""
+        i = bisect.bisect_left(self._bl, b)
+        if self._bl[i] == b:
+            return i, i, 0.0
+        lo, hi = self._bl[i - 1], self._bl[i]
+        return i - 1, i, (b - lo) / (hi - lo)
+
+    def _at(self, table: list, b: int, ctx: float) -> float:
+        i, j, w = self._rows(b)
+        t = _lin(self._cl, table[i], ctx)
+        return t if w == 0.0 else t + w * (_lin(self._cl, table[j], ctx) - t)
 
     def _fall(self, f) -> float:
         self.fallback_steps += 1
@@ -159,21 +182,25 @@ class MeasuredStepModel:
     def time(self, f: tuple) -> float:
         b, ctx_sum, p = f[0], f[1], f[2]
         mean_ctx = ctx_sum / b if b else 0.0
-        if b > self._b_max or mean_ctx > self._c[-1] or b + p > self._t[-1] or f[5] > self._pairs[-1]:
+        if b > self._b_max or mean_ctx > self._cl[-1] or b + p > self._tl[-1] or f[5] > self._pl[-1]:
             return self._fall(f)
         if p == 0:
-            t = self._row(self._dec, b, max(mean_ctx, 1.0)) if b else math.nan
+            t = self._at(self._decl, b, max(mean_ctx, 1.0)) if b else math.nan
         else:
-            t = (np.interp(b + p, self._t, self._shared) + np.interp(f[5], self._pairs, self._patt)
-                 + (self._row(self._datt, b, max(mean_ctx, 1.0)) if b else 0.0))
-        return float(t) if math.isfinite(t) else self._fall(f)
+            t = (_lin(self._tl, self._sharedl, b + p) + _lin(self._pl, self._pattl, f[5])
+                 + (self._at(self._dattl, b, max(mean_ctx, 1.0)) if b else 0.0))
+        return t if math.isfinite(t) else self._fall(f)
 
     def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
         ctx = (context + b * np.arange(k, dtype=np.float64)) / b
         if b > self._b_max or ctx[-1] > self._c[-1]:
             self.fallback_steps += k
             return self.fallback.decode_run(b, context, k)
-        t = self._row(self._dec, b, np.maximum(ctx, 1.0))
+        i, j, w = self._rows(b)
+        ctx = np.maximum(ctx, 1.0)
+        t = np.interp(ctx, self._c, self._dec[i])
+        if w:
+            t = t + w * (np.interp(ctx, self._c, self._dec[j]) - t)
         if not np.isfinite(t).all():
             self.fallback_steps += k
             return self.fallback.decode_run(b, context, k)
@@ -185,6 +212,17 @@ class MeasuredStepModel:
                 "fallback": self.fallback.name, "fallback_points": t.fallback_points,
                 "fallback_steps": self.fallback_steps, **t.detail,
                 "source": "aiconfigurator-core's measured per-operation database (experiments/sim/gpu_costs.py)"}
+
+
+def _lin(xs: list, ys: list, x: float) -> float:
+    """ys at x, linear between the points of increasing xs and flat beyond them (np.interp on one number)."""
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 # -- the database ----------------------------------------------------------------------------------
@@ -208,14 +246,26 @@ def _model_dir(cfg: ModelConfig) -> Path:
     return d
 
 
-def open_engine(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2):
-    """(aiconfigurator EngineHandle, source string) for `cfg` on `gpu`; SourceUnavailable says why not."""
+def _check(gpu: str, framework: str, dtype_bytes: int) -> None:
     if gpu not in SYSTEMS:
         raise SourceUnavailable(f"aiconfigurator has no database for hardware={gpu} (pdlab maps {sorted(SYSTEMS)})")
     if framework not in FRAMEWORKS:
         raise SourceUnavailable(f"hardware.framework={framework!r}: choose one of {FRAMEWORKS}")
     if dtype_bytes not in DTYPES:
         raise SourceUnavailable(f"{dtype_bytes}-byte weights: the database times {sorted(DTYPES.values())} models")
+
+
+def _installed() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("aiconfigurator_core") is not None
+    except (ImportError, ValueError, AttributeError):     # a module entry that is None or has no spec
+        return False
+
+
+def open_engine(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2):
+    """(aiconfigurator EngineHandle, source string) for `cfg` on `gpu`; SourceUnavailable says why not."""
+    _check(gpu, framework, dtype_bytes)
     try:
         import aiconfigurator_core
         from aiconfigurator_core.sdk.engine import EngineHandle
@@ -261,15 +311,36 @@ def _framework_version(system: str, framework: str) -> str:
 _TABLES: dict[tuple, Tables] = {}
 
 
+def _disk_path(cfg: ModelConfig, gpu: str, framework: str, grid: Grid) -> Path:
+    """Where the tables of one (model shape, database, library version, grid) are kept between processes."""
+    system = SYSTEMS[gpu]
+    name = (f"tables-{system}-{framework}-{_framework_version(system, framework)}-core{_dist_version()}-"
+            f"b{grid.max_batch}-c{grid.max_context}-t{grid.max_tokens}.json")
+    return _model_dir(cfg) / name
+
+
 def measured_tables(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes: int = 2,
                     grid: Grid | None = None) -> Tables:
-    """The tables of `cfg` on `gpu` (cached per process: a planner asks for the same ones many times)."""
+    """The tables of `cfg` on `gpu`, kept per process (a planner asks for the same ones many times) and
+    on disk under CACHE, named by everything they depend on (opening the database takes seconds)."""
     grid = grid or Grid(max_context=cfg.max_position_embeddings)
     key = (json.dumps(hf_config(cfg), sort_keys=True), gpu, framework, dtype_bytes, grid)
-    if key not in _TABLES:
+    if key in _TABLES:
+        return _TABLES[key]
+    _check(gpu, framework, dtype_bytes)
+    if not _installed():
+        raise SourceUnavailable("aiconfigurator-core is not installed (pip install -e \".[gpu-costs]\")")
+    path = _disk_path(cfg, gpu, framework, grid)
+    try:
+        tables = Tables(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
         handle, source = open_engine(cfg, gpu, framework, dtype_bytes)
-        _TABLES[key] = build_tables(handle, grid, source)
-    return _TABLES[key]
+        tables = build_tables(handle, grid, source)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(tables)))
+        tmp.replace(path)                       # whole or not at all: another process may read it now
+    _TABLES[key] = tables
+    return tables
 
 
 def choose(cfg: ModelConfig, gpu: str, fallback, source: str = "auto", framework: str = "vllm",
