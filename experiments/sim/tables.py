@@ -65,40 +65,45 @@ def request_columns(records: list) -> dict[str, np.ndarray]:
     return out
 
 
+_LOGGED = ("start_s", "end_s", "num_prefill_tokens", "num_prefill_seqs", "num_decode_seqs", "num_blocks_used",
+           "num_running", "num_waiting", "num_preempted")        # a scheduled step's log tuple, in order
+
+
 def step_columns(workers: list) -> dict[str, np.ndarray]:
-    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows)."""
-    parts: dict[str, list] = {k: [] for k in STEP_COLUMNS}
+    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows):
+    scheduled steps (tuples) gathered into one array per stretch between decode runs (arrays already)."""
+    parts: dict[str, list] = {k: [] for k in _LOGGED + ("worker", "step")}
+
+    def add(block: dict, name: str, index: int) -> int:
+        k = len(block["start_s"])
+        for key in _LOGGED:
+            parts[key].append(np.asarray(block[key], dtype=np.float64))
+        parts["worker"].append(np.full(k, name))
+        parts["step"].append(np.arange(index, index + k))
+        return index + k
+
     for w in workers:
-        index = 0
+        index, pending = 0, []
         for entry in w.log:
             if isinstance(entry, tuple):
-                start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted = entry
-                row = {"start_s": [start], "end_s": [end], "num_prefill_tokens": [p_tok], "num_prefill_seqs": [p_seqs],
-                       "num_decode_seqs": [d_seqs], "num_blocks_used": [used], "num_running": [running],
-                       "num_waiting": [waiting], "num_preempted": [preempted]}
-                k = 1
-            else:
-                k, b = len(entry["start"]), entry["b"]
-                running = np.full(k, b)
-                running[-1] = entry["running_last"]
-                row = {"start_s": entry["start"], "end_s": entry["end"], "num_prefill_tokens": np.zeros(k),
-                       "num_prefill_seqs": np.zeros(k), "num_decode_seqs": np.full(k, b),
-                       "num_blocks_used": entry["used"], "num_running": running,
-                       "num_waiting": np.full(k, entry["waiting"]), "num_preempted": np.zeros(k)}
-            for key, v in row.items():
-                parts[key].append(np.asarray(v))
-            parts["worker"].append(np.full(k, w.name))
-            parts["step"].append(np.arange(index, index + k))
-            index += k
-    out = {}
-    for key in STEP_COLUMNS:
-        if key in ("prepare_s", "sample_s", "num_tokens", "forward_s"):
-            continue
-        arrays = parts[key]
-        out[key] = np.concatenate(arrays) if arrays else np.zeros(0)
-    ints = [k for k in out if k.startswith("num_") or k == "step"]
-    for k in ints:
-        out[k] = out[k].astype(np.int64)
+                pending.append(entry)
+                continue
+            if pending:
+                index = add(dict(zip(_LOGGED, np.array(pending, dtype=np.float64).T)), w.name, index)
+                pending = []
+            k, b = len(entry["start"]), entry["b"]
+            running = np.full(k, b)
+            running[-1] = entry["running_last"]
+            index = add({"start_s": entry["start"], "end_s": entry["end"], "num_prefill_tokens": np.zeros(k),
+                         "num_prefill_seqs": np.zeros(k), "num_decode_seqs": np.full(k, b),
+                         "num_blocks_used": entry["used"], "num_running": running,
+                         "num_waiting": np.full(k, entry["waiting"]), "num_preempted": np.zeros(k)}, w.name, index)
+        if pending:
+            add(dict(zip(_LOGGED, np.array(pending, dtype=np.float64).T)), w.name, index)
+    out = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
+    for k in out:
+        if k.startswith("num_") or k == "step":
+            out[k] = out[k].astype(np.int64)
     out["worker"] = out["worker"].astype(str)
     out["num_tokens"] = out["num_prefill_tokens"] + out["num_decode_seqs"]
     out["forward_s"] = out["end_s"] - out["start_s"]
