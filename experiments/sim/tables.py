@@ -70,45 +70,58 @@ _LOGGED = ("start_s", "end_s", "num_prefill_tokens", "num_prefill_seqs", "num_de
 
 
 def step_columns(workers: list) -> dict[str, np.ndarray]:
-    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows):
-    scheduled steps (tuples) gathered into one array per stretch between decode runs (arrays already)."""
-    parts: dict[str, list] = {k: [] for k in _LOGGED + ("worker", "step")}
-
-    def add(block: dict, name: str, index: int) -> int:
-        k = len(block["start_s"])
-        for key in _LOGGED:
-            parts[key].append(np.asarray(block[key], dtype=np.float64))
-        parts["worker"].append(np.full(k, name))
-        parts["step"].append(np.arange(index, index + k))
-        return index + k
-
-    for w in workers:
-        index, pending = 0, []
+    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows).
+    Scheduled steps (tuples) and decode runs (arrays) are gathered apart, each kind in one set of arrays,
+    then put back in log order by their segment number (a run, or a stretch of tuples between two)."""
+    tuples, t_seg, t_worker = [], [], []                 # scheduled steps: rows, segment, worker
+    r_start, r_end, r_used, r_k, r_b, r_wait, r_last, r_seg, r_worker = ([] for _ in range(9))
+    seg = 0
+    for wi, w in enumerate(workers):
+        open_stretch = False
         for entry in w.log:
             if isinstance(entry, tuple):
-                pending.append(entry)
+                if not open_stretch:
+                    seg, open_stretch = seg + 1, True
+                tuples.append(entry)
+                t_seg.append(seg)
+                t_worker.append(wi)
                 continue
-            if pending:
-                index = add(dict(zip(_LOGGED, np.array(pending, dtype=np.float64).T)), w.name, index)
-                pending = []
-            k, b = len(entry["start"]), entry["b"]
-            running = np.full(k, b)
-            running[-1] = entry["running_last"]
-            index = add({"start_s": entry["start"], "end_s": entry["end"], "num_prefill_tokens": np.zeros(k),
-                         "num_prefill_seqs": np.zeros(k), "num_decode_seqs": np.full(k, b),
-                         "num_blocks_used": entry["used"], "num_running": running,
-                         "num_waiting": np.full(k, entry["waiting"]), "num_preempted": np.zeros(k)}, w.name, index)
-        if pending:
-            add(dict(zip(_LOGGED, np.array(pending, dtype=np.float64).T)), w.name, index)
-    out = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
-    for k in out:
-        if k.startswith("num_") or k == "step":
-            out[k] = out[k].astype(np.int64)
-    out["worker"] = out["worker"].astype(str)
+            seg, open_stretch = seg + 1, False
+            r_start.append(entry["start"])
+            r_end.append(entry["end"])
+            r_used.append(entry["used"])
+            r_k.append(len(entry["start"]))
+            r_b.append(entry["b"])
+            r_wait.append(entry["waiting"])
+            r_last.append(entry["running_last"])
+            r_seg.append(seg)
+            r_worker.append(wi)
+    t = np.array(tuples, dtype=np.float64).reshape(-1, len(_LOGGED))
+    k = np.asarray(r_k, dtype=np.int64)
+    b = np.repeat(np.asarray(r_b, dtype=np.float64), k)
+    running = b.copy()
+    if len(k):
+        running[np.cumsum(k) - 1] = r_last
+    cat = (lambda xs: np.concatenate(xs).astype(np.float64) if xs else np.zeros(0))
+    zeros = np.zeros(int(k.sum()))
+    runs = {"start_s": cat(r_start), "end_s": cat(r_end), "num_prefill_tokens": zeros, "num_prefill_seqs": zeros,
+            "num_decode_seqs": b, "num_blocks_used": cat(r_used), "num_running": running,
+            "num_waiting": np.repeat(np.asarray(r_wait, dtype=np.float64), k), "num_preempted": zeros}
+    order = np.argsort(np.concatenate([np.asarray(t_seg, dtype=np.int64), np.repeat(np.asarray(r_seg, dtype=np.int64), k)]),
+                       kind="stable")
+    out = {key: np.concatenate([t[:, i], runs[key]])[order] for i, key in enumerate(_LOGGED)}
+    worker = np.concatenate([np.asarray(t_worker, dtype=np.int64), np.repeat(np.asarray(r_worker, dtype=np.int64), k)])[order]
+    first = np.searchsorted(worker, worker, side="left")          # each row's worker's first row (rows by worker)
+    out["step"] = np.arange(len(worker)) - first
+    for key in out:
+        if key.startswith("num_"):
+            out[key] = out[key].astype(np.int64)
+    names = np.array([w.name for w in workers] or [""], dtype=str)
+    out["worker"] = names[worker] if len(worker) else np.zeros(0, dtype=str)
     out["num_tokens"] = out["num_prefill_tokens"] + out["num_decode_seqs"]
     out["forward_s"] = out["end_s"] - out["start_s"]
     out["prepare_s"] = out["sample_s"] = np.zeros(len(out["start_s"]))
-    return {k: out[k] for k in STEP_COLUMNS}
+    return {key: out[key] for key in STEP_COLUMNS}
 
 
 def write_table(path: Path, cols: dict[str, np.ndarray]) -> None:
@@ -185,8 +198,7 @@ def summarize_sim(sim, cols: dict[str, np.ndarray], slo_ttft_ms: float, slo_tpot
         return x / duration if duration > 0 else 0.0
 
     by_index = np.zeros(n, dtype=bool)
-    for r in sim.records.values():
-        by_index[r.index] = r.status == "ok"
+    by_index[[r.index for r in sim.records.values() if r.status == "ok"]] = True
     if sim.gaps is not None:
         itl = weighted_percentiles(*sim.gaps.pooled(by_index, "made"))
         client_itl = weighted_percentiles(*sim.gaps.pooled(by_index, "got"))
