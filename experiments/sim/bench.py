@@ -41,23 +41,28 @@ TARGETS = [
 ]
 
 
+_MEASURE = """import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+out = (proc.stdout.strip().splitlines() or [""])[-1] if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [""])[-1]
+print(json.dumps({"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "cpu_s": u.ru_utime + u.ru_stime,
+                  "max_rss_gb": u.ru_maxrss / 1e6, "last_line": out[:200]}))
+"""
+
+
 def run_target(name: str, args: list[str], out: Path) -> dict:
-    """One target's command in a child process: wall time, CPU time and peak memory (its own and its
-    children's, as getrusage reports them for the waited child)."""
-    import resource
+    """One target's command, timed by a child of its own (so getrusage's peak memory is that command's
+    alone): wall time, CPU time and peak resident memory."""
     import subprocess
     import sys
 
     extra = [f"hydra.run.dir={out / name}"] if args[1] in ("experiments.run", "experiments.plan") else []
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, *args, *extra], capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    tail = (proc.stdout.strip().splitlines() or [""])[-1][:200]
-    return {"name": name, "rc": proc.returncode, "wall_s": wall, "cpu_s": cpu, "max_rss_gb": after.ru_maxrss / 1e6,
-            "last_line": tail if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [""])[-1][:200]}
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, sys.executable, *args, *extra], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"timing {name} failed: {proc.stderr.strip()[-300:]}")
+    return {"name": name} | json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def targets(names: str, out: Path) -> int:

@@ -89,14 +89,16 @@ class Gaps:
         """(gaps, weights) of the requests where `ok` (a bool per owner) holds."""
         k = 1 if which == "made" else 2
         owner = np.asarray(self.owner, dtype=np.int64)
-        vals = [np.asarray(self.made if k == 1 else self.got)[ok[owner]]]
-        weights = [np.ones(len(vals[0]))]
-        for run in self.runs:
-            w = int(ok[run[0]].sum())
-            if w:
-                vals.append(run[k])
-                weights.append(np.full(len(run[k]), float(w)))
-        return np.concatenate(vals), np.concatenate(weights)
+        one = np.asarray(self.made if k == 1 else self.got, dtype=np.float64)[ok[owner]]
+        if not self.runs:
+            return one, np.ones(len(one))
+        sizes = np.array([len(r[0]) for r in self.runs])
+        owners = np.concatenate([r[0] for r in self.runs])
+        w = np.bincount(np.repeat(np.arange(len(self.runs)), sizes), weights=ok[owners], minlength=len(self.runs))
+        gaps = [r[k] for r in self.runs]
+        lens = np.array([len(g) for g in gaps])
+        return (np.concatenate([one] + gaps),
+                np.concatenate([np.ones(len(one)), np.repeat(w, lens)]))
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:

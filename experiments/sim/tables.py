@@ -65,45 +65,63 @@ def request_columns(records: list) -> dict[str, np.ndarray]:
     return out
 
 
+_LOGGED = ("start_s", "end_s", "num_prefill_tokens", "num_prefill_seqs", "num_decode_seqs", "num_blocks_used",
+           "num_running", "num_waiting", "num_preempted")        # a scheduled step's log tuple, in order
+
+
 def step_columns(workers: list) -> dict[str, np.ndarray]:
-    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows)."""
-    parts: dict[str, list] = {k: [] for k in STEP_COLUMNS}
-    for w in workers:
-        index = 0
+    """One array per steps.jsonl field of every worker's step log (experiments/sim/records.py's step_rows).
+    Scheduled steps (tuples) and decode runs (arrays) are gathered apart, each kind in one set of arrays,
+    then put back in log order by their segment number (a run, or a stretch of tuples between two)."""
+    tuples, t_seg, t_worker = [], [], []                 # scheduled steps: rows, segment, worker
+    r_start, r_end, r_used, r_k, r_b, r_wait, r_last, r_seg, r_worker = ([] for _ in range(9))
+    seg = 0
+    for wi, w in enumerate(workers):
+        open_stretch = False
         for entry in w.log:
             if isinstance(entry, tuple):
-                start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted = entry
-                row = {"start_s": [start], "end_s": [end], "num_prefill_tokens": [p_tok], "num_prefill_seqs": [p_seqs],
-                       "num_decode_seqs": [d_seqs], "num_blocks_used": [used], "num_running": [running],
-                       "num_waiting": [waiting], "num_preempted": [preempted]}
-                k = 1
-            else:
-                k, b = len(entry["start"]), entry["b"]
-                running = np.full(k, b)
-                running[-1] = entry["running_last"]
-                row = {"start_s": entry["start"], "end_s": entry["end"], "num_prefill_tokens": np.zeros(k),
-                       "num_prefill_seqs": np.zeros(k), "num_decode_seqs": np.full(k, b),
-                       "num_blocks_used": entry["used"], "num_running": running,
-                       "num_waiting": np.full(k, entry["waiting"]), "num_preempted": np.zeros(k)}
-            for key, v in row.items():
-                parts[key].append(np.asarray(v))
-            parts["worker"].append(np.full(k, w.name))
-            parts["step"].append(np.arange(index, index + k))
-            index += k
-    out = {}
-    for key in STEP_COLUMNS:
-        if key in ("prepare_s", "sample_s", "num_tokens", "forward_s"):
-            continue
-        arrays = parts[key]
-        out[key] = np.concatenate(arrays) if arrays else np.zeros(0)
-    ints = [k for k in out if k.startswith("num_") or k == "step"]
-    for k in ints:
-        out[k] = out[k].astype(np.int64)
-    out["worker"] = out["worker"].astype(str)
+                if not open_stretch:
+                    seg, open_stretch = seg + 1, True
+                tuples.append(entry)
+                t_seg.append(seg)
+                t_worker.append(wi)
+                continue
+            seg, open_stretch = seg + 1, False
+            r_start.append(entry["start"])
+            r_end.append(entry["end"])
+            r_used.append(entry["used"])
+            r_k.append(len(entry["start"]))
+            r_b.append(entry["b"])
+            r_wait.append(entry["waiting"])
+            r_last.append(entry["running_last"])
+            r_seg.append(seg)
+            r_worker.append(wi)
+    t = np.array(tuples, dtype=np.float64).reshape(-1, len(_LOGGED))
+    k = np.asarray(r_k, dtype=np.int64)
+    b = np.repeat(np.asarray(r_b, dtype=np.float64), k)
+    running = b.copy()
+    if len(k):
+        running[np.cumsum(k) - 1] = r_last
+    cat = (lambda xs: np.concatenate(xs).astype(np.float64) if xs else np.zeros(0))
+    zeros = np.zeros(int(k.sum()))
+    runs = {"start_s": cat(r_start), "end_s": cat(r_end), "num_prefill_tokens": zeros, "num_prefill_seqs": zeros,
+            "num_decode_seqs": b, "num_blocks_used": cat(r_used), "num_running": running,
+            "num_waiting": np.repeat(np.asarray(r_wait, dtype=np.float64), k), "num_preempted": zeros}
+    order = np.argsort(np.concatenate([np.asarray(t_seg, dtype=np.int64), np.repeat(np.asarray(r_seg, dtype=np.int64), k)]),
+                       kind="stable")
+    out = {key: np.concatenate([t[:, i], runs[key]])[order] for i, key in enumerate(_LOGGED)}
+    worker = np.concatenate([np.asarray(t_worker, dtype=np.int64), np.repeat(np.asarray(r_worker, dtype=np.int64), k)])[order]
+    first = np.searchsorted(worker, worker, side="left")          # each row's worker's first row (rows by worker)
+    out["step"] = np.arange(len(worker)) - first
+    for key in out:
+        if key.startswith("num_"):
+            out[key] = out[key].astype(np.int64)
+    names = np.array([w.name for w in workers] or [""], dtype=str)
+    out["worker"] = names[worker] if len(worker) else np.zeros(0, dtype=str)
     out["num_tokens"] = out["num_prefill_tokens"] + out["num_decode_seqs"]
     out["forward_s"] = out["end_s"] - out["start_s"]
     out["prepare_s"] = out["sample_s"] = np.zeros(len(out["start_s"]))
-    return {k: out[k] for k in STEP_COLUMNS}
+    return {key: out[key] for key in STEP_COLUMNS}
 
 
 def write_table(path: Path, cols: dict[str, np.ndarray]) -> None:
@@ -180,8 +198,7 @@ def summarize_sim(sim, cols: dict[str, np.ndarray], slo_ttft_ms: float, slo_tpot
         return x / duration if duration > 0 else 0.0
 
     by_index = np.zeros(n, dtype=bool)
-    for r in sim.records.values():
-        by_index[r.index] = r.status == "ok"
+    by_index[[r.index for r in sim.records.values() if r.status == "ok"]] = True
     if sim.gaps is not None:
         itl = weighted_percentiles(*sim.gaps.pooled(by_index, "made"))
         client_itl = weighted_percentiles(*sim.gaps.pooled(by_index, "got"))
