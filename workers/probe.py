@@ -1,17 +1,11 @@
-"""A speed probe: the same two steps timed on an engine before it serves, so a run says how fast its
-machine was then.
+"""A speed probe: the same two steps timed on an engine before it serves (and after), so a run can say
+how fast its machine was then. Opt-in (`cluster.speed_probe=true`): nothing in the simulator or the
+report needs it.
 
-On a shared machine the same step can take 10-20% longer from one quarter of an hour to the next,
-with no other process using the CPU (docs/lab-notes/). A profile and its serving calibration hold
-for the speed they were measured at. So
-each worker times a decode step (`DECODE_CONTEXT` tokens of context, batch 1) and a prompt chunk
-(`PROMPT_TOKENS` from token 0), cells a profile's grid also fits, `ROUNDS` times alternately, before
-its first request (and again after its last, for experiments.analysis.probe_check to compare); the
-medians go into the repeat's metrics.json. One repeat's probes are a noisy thermometer (a repeat's
-steps ran 1.10-1.28x its probe's reading, p10-p90), a run's median over all of them a steadier one
-(1.14-1.30x over 16 runs), so experiments/analysis/calibrate.py and experiments.validate read a run's
-steps at the speed of the median of its probes before the requests. The steps run on the engine's own runner,
-pool and weights with blocks taken from its free list and given back, and leave no trace record.
+Each worker times a decode step (`DECODE_CONTEXT` tokens of context, batch 1) and a prompt chunk
+(`PROMPT_TOKENS` from token 0), cells a profile's grid also fits, `ROUNDS` times alternately; the
+medians go into the repeat's metrics.json. The steps run on the engine's own runner, pool and weights
+with blocks taken from its free list and given back, and leave no trace record.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ one missed, `falls_below` that first missed rate (None: met everywhere).
 in rates per worker, as the simulated one is per GPU).
 
 `breakdown`: per request, the time from arrival to the last token split into waiting for prefill,
-prefill, the exposed KV transfer, the rest of the handoff and the decode steps (FORMATS.md: queue_s,
+prefill, the exposed KV transfer, the rest of the handoff and the decode steps (docs/run-directory.md: queue_s,
 prefill_s, exposed_transfer_s, handoff_s, decode_s); means over the completed requests, the dominant
 component (overall, and before the decode steps) and, against a colocated run, the component that
 grew most: the answer to "why was disaggregation slower here?".
