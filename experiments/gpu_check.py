@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -303,11 +304,16 @@ def roofline(device: str, sh: dict) -> dict:
         med = statistics.median(times)
         achieved = 2 * cfg.num_params() * n / (med / 1e3)
         prefill[f"P{n}"] = {"step_ms": med, "tflops": achieved / 1e12, "of_matmul_peak": achieved / flops}
-    ok = all(0 < d["floor_over_step"] <= 1.05 for d in decode.values()) and all(
+    measured = all(math.isfinite(d["step_ms"]) and d["step_ms"] > 0 for d in (*decode.values(), *prefill.values()))
+    within = all(0 < d["floor_over_step"] <= 1.05 for d in decode.values()) and all(
         0 < p["of_matmul_peak"] <= 1.05 for p in prefill.values())
     db = _beside_database(device, cfg, dtype_bytes, decode, prefill)     # informational: not part of ok
+    # on a GPU no step may beat its floor; a shared CPU's timings can (the peak is measured at another
+    # moment), so there the bounds are reported, not judged
+    ok = measured and (within or device != "cuda")
     return {"matmul_peak_tflops": flops / 1e12, "copy_bandwidth_gbs": bw / 1e9, "decode": decode,
-            "prefill": prefill, "database": db, "ok": bool(ok)}
+            "prefill": prefill, "database": db, "within_bounds": bool(within),
+            **({} if device == "cuda" else {"bounds": "reported, not judged on a CPU"}), "ok": bool(ok)}
 
 
 def _beside_database(device: str, cfg, dtype_bytes: int, decode: dict, prefill: dict) -> str:
@@ -368,8 +374,9 @@ def interference(device: str, sh: dict) -> dict:
         curve[str(c)] = {"step_ms": statistics.median(times[c]), "over_decode_only": statistics.median(r),
                          "ratio_range": [min(r), max(r)]}
     biggest = curve[str(max(chunks))]["over_decode_only"]
+    slower = biggest > 1.0              # the largest prefill stretches the step: judged on a GPU only
     return {"decodes": sh["decodes"], "context": sh["context"], "rounds": sh["rounds"], "curve": curve,
-            "ok": biggest > 1.0}
+            "prefill_stretches_the_step": bool(slower), "ok": bool(slower or device != "cuda")}
 
 
 def disaggregation(device: str, sh: dict) -> dict:
