@@ -245,6 +245,10 @@ def test_controlled_experiment_rows_and_timeline_follow_the_schedule():
     assert d["joined_ms"] >= d["first_token_ms"] and d["handoff_ms"] > 0 and d["prefill_ms"] > 0
     assert during("disaggregated") == {len([t for t in next(iter(d["decodes"].values()))
                                             if 0 < t <= d["first_token_ms"] + 1e-9])}
+    more = controlled.run(model, [16, "whole"], num_decodes=2, context=16, prompt_len=64, repeats=2, max_extra=2,
+                          disaggregated=False)
+    assert 0 <= more["extra_rounds"] <= 2
+    assert {len(r["samples"]) for r in more["rows"]} == {2 + more["extra_rounds"]}   # every setup each extra round
     with pytest.raises(ValueError, match="chunking_controlled.chunks"):
         controlled.run(model, [128], num_decodes=1, context=8, prompt_len=64, repeats=2)
     with pytest.raises(ValueError, match="at least 2 rounds"):

@@ -209,9 +209,12 @@ class Bench:
 
 
 def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, repeats: int, lead: int = 3,
-        tail: int = 2, link_bw: float = 0.0, seed: int = 0, disaggregated: bool = True, clock: str = "wall") -> dict:
+        tail: int = 2, link_bw: float = 0.0, seed: int = 0, disaggregated: bool = True, clock: str = "wall",
+        max_extra: int = 0) -> dict:
     """The experiment of the module docstring: {"rows": [per setup: chunk, stall_ms, ttft_ms, itl_p99_ms,
-    steady_ms as [median, low, high]], "timeline": one round's episodes, "episodes": every metric}."""
+    steady_ms as [median, low, high], samples], "timeline": the median round's episodes, "extra_rounds"}.
+    After `repeats` rounds, up to `max_extra` more while the smallest chunk's and the largest chunk's stall
+    or TTFT intervals still overlap (a noisy machine; every setup gets each extra round)."""
     if clock not in CLOCKS:
         raise ValueError(f"chunking_controlled.clock={clock!r}: choose {' or '.join(CLOCKS)}")
     if repeats < 2:
@@ -224,15 +227,24 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     plan = setups(chunks, disaggregated)
     steps = {s.label: lead + tail + 4 + (-(-prompt_len // (prompt_len if s.chunk in (None, WHOLE) else s.chunk)))
              for s in plan}
-    most = max(steps.values()) * (repeats + 1) * 2 + 16       # the decodes' tokens over every episode
+    most = max(steps.values()) * (repeats + max_extra + 1) * 2 + 16    # the decodes' tokens over every episode
     benches = {s.label: Bench(model, s, num_decodes, context, prompt_len, most, link_bw, gen, clock) for s in plan}
     episodes: dict[str, list[Episode]] = {s.label: [] for s in plan}
-    for k in range(repeats + 1):
+
+    def one_round(k: int) -> None:
         shift = k % len(plan)
         for s in plan[shift:] + plan[:shift]:
             ep = benches[s.label].episode(lead, tail)
             if k:                                   # round 0 warms up
                 episodes[s.label].append(ep)
+
+    for k in range(repeats + 1):
+        one_round(k)
+    ends = [s.label for s in plan if s.policy == "chunked"]
+    extra = 0
+    while extra < max_extra and len(ends) > 1 and not _separated(episodes[ends[0]], episodes[ends[-1]], seed):
+        extra += 1
+        one_round(repeats + extra)
     rows = []
     for s in plan:
         per = [ep.metrics() for ep in episodes[s.label]]
@@ -245,4 +257,19 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     median_round = repeats // 2
     timeline = {s.label: episodes[s.label][median_round].to_dict() for s in plan}
     return {"num_decodes": num_decodes, "context": context, "prompt_len": prompt_len, "repeats": repeats,
-            "lead": lead, "tail": tail, "link_bw": link_bw, "clock": clock, "rows": rows, "timeline": timeline}
+            "lead": lead, "tail": tail, "link_bw": link_bw, "clock": clock, "max_extra": max_extra,
+            "extra_rounds": extra, "rows": rows, "timeline": timeline}
+
+
+def _separated(a: list[Episode], b: list[Episode], seed: int) -> bool:
+    """Whether both the stall and the TTFT of two setups differ as compare.py would state it."""
+    from experiments.serving.compare import Estimate, differs
+
+    for key in ("stall_ms", "ttft_ms"):
+        e = []
+        for eps in (a, b):
+            ci = median_ci([m[key] for m in (ep.metrics() for ep in eps) if m[key] is not None], seed=seed)
+            e.append(Estimate(key, ci["median"], None if ci["lo"] is None else (ci["lo"], ci["hi"])))
+        if differs(*e) == 0:
+            return False
+    return True

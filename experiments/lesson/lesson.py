@@ -118,7 +118,8 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
     chunks = [ch if ch == controlled.WHOLE else int(ch) for ch in c.chunks]
     before = snapshot()
     res = controlled.run(model, chunks, c.num_decodes, c.context, c.prompt_len, c.repeats, c.lead, c.tail,
-                         float(c.link_bw), cfg.seed, clock=c.get("clock", "wall"))
+                         float(c.link_bw), cfg.seed, clock=c.get("clock", "wall"),
+                         max_extra=int(c.get("max_extra", 0)))
     machine = usage(before, snapshot())
     rows = [{"chunk": r["chunk"], **{k: r[k] for k in ("stall_ms", "ttft_ms", "itl_p99_ms", "steady_ms")},
              "samples": r["samples"]} for r in res["rows"] if r["policy"] == "chunked"]
@@ -132,9 +133,10 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
                           f"{c.num_decodes} decodes running at context {c.context} while a {c.prompt_len}-token "
                           f"prompt arrives ({model.cfg.name} on {device}; the median round)")
     figures.tradeoff_plot(res["rows"], out / "chunking_tradeoff.png",
-                          f"Chunk size trades the decodes' stall against the prompt's TTFT ({c.repeats} rounds, "
-                          "median and 95% interval)")
-    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw", "clock")}
+                          "Chunk size trades the decodes' stall against the prompt's TTFT "
+                          f"({res['repeats'] + res['extra_rounds']} rounds, median and 95% interval)")
+    stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw", "clock",
+                                  "max_extra", "extra_rounds")}
     stall |= {"device": device, "refs": refs, "timeline": timeline, "machine": machine}
     return rows, stall
 

@@ -39,7 +39,9 @@ def controlled(r: dict, n: int) -> str:
         "(the decodes and a chunk of the prompt in every step), and disaggregated (the prompt prefilled on a "
         f"separate engine as if on its own device, its KV exported and imported, {link}; the decodes' worker only "
         f"imports it). Each setup runs {st['repeats']} rounds, one episode per round in a rotated order, after a "
-        "warm-up round; each setup's time is its own engine's measured steps, so the setups share one time axis"
+        f"warm-up round, and up to {st.get('max_extra', 0)} more while the smallest and the largest chunk's "
+        f"intervals overlapped ({st.get('extra_rounds', 0)} run); each setup's time is its own engine's measured "
+        "steps, so the setups share one time axis"
         + ("" if st.get("clock", "wall") == "wall" else
            ", timed by this process's CPU time (work, not waiting for a CPU other processes held)") + ". "
         f"The stall is the largest gap between a running decode's tokens while the prompt is in; medians with {CI} "
