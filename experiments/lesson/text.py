@@ -212,13 +212,13 @@ def caveats(r: dict, n: int) -> str:
     machines = [m.get("machine") or {} for m in runs]
     shared = [m for m in machines if m.get("workers_share_cores")]
     loaded = [w for m in machines if (w := load_warning(m))]
+    source = r["decision"]["simulated"].get("source") or "simulated"
     if _cpu(r):
         lines.append("The measured parts ran the small model on a CPU with fake GPUs declared to Ray, and KV moved "
-                     "over loopback, not NVLink or a network. The GPU numbers are roofline estimates from datasheet "
-                     "peaks; run the lesson on a GPU node (model=llama-3-8b) to measure them.")
+                     f"over loopback, not NVLink or a network. The GPU numbers are {source}, not measured by pdlab's "
+                     "engine; run the lesson on a GPU node (model=llama-3-8b) to measure them.")
     else:
-        lines.append(f"The measured parts ran on {r['device']}. The simulated map still rests on datasheet "
-                     "peaks at the efficiencies experiments/sim/stepmodel.py states.")
+        lines.append(f"The measured parts ran on {r['device']}. The simulated map is {source}.")
     if shared:
         lines += ["", f"In {len(shared)} of {len(runs)} served points {SHARED}."]
     if loaded:
