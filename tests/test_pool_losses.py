@@ -156,10 +156,10 @@ def test_fractional_gpus_share_a_nodes_cpus_among_the_workers_it_hosts():
 
 @pytest.mark.parametrize("num_gpus", [1, 2])
 def test_gpu_checks_main_job_composes_on_one_gpu_or_two(num_gpus):
-    """experiments/gpu_check.py's main job: on one GPU both workers of each point share it (0.5 each)."""
+    """experiments/gpu_stages.py's main job: on one GPU both workers of each point share it (0.5 each)."""
     from hydra import compose, initialize_config_dir
     from experiments.config import parse
-    from experiments.gpu_check import main_job_overrides, shapes
+    from experiments.gpu_stages import main_job_overrides, shapes
     from tests.conftest import ROOT
 
     overrides = main_job_overrides("cuda", shapes("cuda"), num_gpus)
