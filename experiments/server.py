@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
 from experiments.run import CONF_DIR
-from experiments.serving.serve import ensure_ray, request_row, step_row
+from experiments.serving.serve import engines_for, ensure_ray, request_row, step_row
 from router.frontend import Frontend
 from router.openai_api import build_app
 from router.prom import OUTCOMES, ServeMetrics
@@ -207,7 +207,7 @@ def serve(spec: RunSpec, serve_cfg: ServeConfig, model_name: str, tokenizer, run
             rows_file.flush()
 
     ensure_ray(spec)
-    pool = WorkerPool(spec.cluster, spec.model, spec.engines(), spec.transfer).start()
+    pool = WorkerPool(spec.cluster, spec.model, engines_for(spec), spec.transfer).start()
     router = sink = None
     try:
         router = Router(pool, spec.router, spec.transfer, spec.fault).start()

@@ -279,14 +279,15 @@ def timed(fn, *args, **kwargs):
 
 
 # -- 5. serving calibration and the command ----------------------------------------------------------
-def calibration_run(out: Path, cfg) -> Path:
+def calibration_run(out: Path, cfg, gemm_rows) -> Path:
     """The three default layouts served on this machine with the calibration's own seed, `repeats`
-    times round-robin (A B C A B C ...), so the calibration reads the machine at several moments."""
+    times round-robin (A B C A B C ...), so the calibration reads the machine at several moments; its
+    CPU linears on the route the steps were timed on (`gemm_rows`)."""
     c = cfg.calibration
     cmd = [sys.executable, "-m", "experiments.run", f"model={cfg.model.name}", f"repeats={c.get('repeats', 1)}",
            "report=false",
            f"seed={c.seed}", f"workload.num_requests={c.num_requests}", f"workload.rate={c.rate}",
-           f"hydra.run.dir={out}"]
+           f"engine.cpu_gemm_rows={'null' if gemm_rows is None else gemm_rows}", f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"calibration run failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
@@ -339,7 +340,7 @@ def run(cfg, out_dir: Path) -> dict:
             "transfer": transfer,
             "machine": {"steps": m_steps, "gap": m_gap, "handoff": m_handoff, "transfer": m_transfer}}
     if cfg.calibrate:
-        run_dir, m_cal = timed(calibration_run, out_dir / "calibration", cfg)
+        run_dir, m_cal = timed(calibration_run, out_dir / "calibration", cfg, gemm_rows)
         cal = calibrate([run_dir], LinearStepModel(steps["coef"], gap["gap_coef"]))
         c = cfg.calibration
         prof["serving"] = cal | {"source": f"python -m experiments.run seed={c.seed} (three layouts, "

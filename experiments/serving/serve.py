@@ -30,6 +30,7 @@ from experiments.serving.machine import shared_cores, snapshot, usage
 from experiments.serving.metrics import request_fields, summarize
 from experiments.serving.steps import step_ratio
 from experiments.serving.workload import WorkloadError, WorkloadRequest, build_workload
+from workers.config import gemm_route
 
 log = logging.getLogger("pdlab")
 
@@ -178,6 +179,37 @@ def write_jsonl(path: Path, rows) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def engines_for(spec: RunSpec) -> dict:
+    """The engines a real run starts: spec.engines(), with `engine.cpu_gemm_rows=auto` on a CPU taken
+    from this machine's profile where it records one. Measured per process, the route flips between
+    workers and runs where MKL and the panel kernel are close (tests/test_gemm_route.py), and a run on
+    another route than its profile's is an engine the simulator does not price; one machine, one route."""
+    engines = spec.engines()
+    rows = profiled_gemm_rows(spec)
+    if rows == "auto":
+        return engines
+    log.info("CPU linears: %s, as this machine's profile measured them (engine.cpu_gemm_rows=auto)",
+             gemm_route(rows))
+    return {role: e.replace(cpu_gemm_rows=rows) for role, e in engines.items()}
+
+
+def profiled_gemm_rows(spec: RunSpec):
+    """The profile's cpu_gemm_rows for a CPU run left on auto, else "auto" (measured per process)."""
+    from experiments.sim.backend import profile_for
+
+    if spec.engine.cpu_gemm_rows != "auto" or spec.model.device not in ("auto", "cpu"):
+        return "auto"
+    if spec.model.device == "auto":
+        import torch
+        if torch.cuda.is_available():
+            return "auto"
+    try:
+        prof = json.loads(profile_for(spec).read_text())
+    except (ConfigError, OSError, ValueError):
+        return "auto"
+    return prof.get("cpu_gemm_rows", "auto")
+
+
 # -- one repeat of one point ----------------------------------------------------------------------
 def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     from cluster.pool import WorkerPool
@@ -185,7 +217,7 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
 
     spec, ident = p.spec, dict(p.ident)
     ensure_ray(spec)
-    pool = WorkerPool(spec.cluster, spec.model, spec.engines(), spec.transfer)
+    pool = WorkerPool(spec.cluster, spec.model, engines_for(spec), spec.transfer)
     try:                                    # whatever fails, this point's actors and placement group go
         pool.start()
         info = pool.workers[0].info
