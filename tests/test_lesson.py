@@ -152,7 +152,7 @@ def test_quick_lesson_writes_every_section_with_its_numbers(tmp_path):
     assert "intervals separate" in text or "no significant" in text
     # the end-to-end points are ordinary run directories, one repeat each in quick mode
     points = sorted(p.parent.name for p in (out / "runs" / "chunking").glob("*/metrics.json"))
-    assert points == ["chunked_256", "chunked_64", "disaggregated", "prefill_first"]
+    assert points == ["chunked_32", "chunked_512", "disaggregated", "prefill_first"]
     assert all((out / "runs" / "chunking" / p / "rep0" / "requests.jsonl").is_file() for p in points)
     assert len(list((out / "runs" / "chunking").glob("rate_*/*/metrics.json"))) == 3    # one more rate per mode
     assert [row["chunk"] for row in results["chunking_controlled"]] == [32, 128, 512, "whole"]
@@ -365,3 +365,39 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
     assert [p["batch"] for p in r["interference"]["points"]] == [2, 2, 2]
     base = r["interference"]["points"][0]
     assert f"decode-only step took {__import__('experiments.lesson.text', fromlist=['num']).num(base['step_ms'])} ms" in text
+
+
+def test_the_answer_on_when_states_the_served_attainment_at_load_from_its_intervals():
+    from experiments.lesson.when import _at_load
+
+    def curves(ci_b):
+        return {"measured": {"curves": [
+            {"name": "colocated", "rates": [6.0, 40.0], "rates_per_gpu": [3.0, 20.0], "attainment": [1.0, 0.9],
+             "attainment_ci": [(1.0, 1.0), (0.8, 1.0)]},
+            {"name": "disaggregated", "rates": [6.0, 40.0], "rates_per_gpu": [3.0, 20.0], "attainment": [1.0, 0.4],
+             "attainment_ci": [(1.0, 1.0), ci_b]}]}}
+    text = _at_load(curves((0.2, 0.6)))
+    low, high = text.split("; at ")
+    assert "at 6.00 requests/s on 2 workers" in low and "no significant difference" in low
+    assert high.startswith("40.0 requests/s on 2 workers")
+    assert "disaggregated 40.0% [20.0, 60.0]" in high and "disaggregated is lower than colocated" in high
+    assert "lower" not in _at_load(curves((0.2, 0.85)))
+    assert _at_load(None) == _at_load({"measured": None}) == ""
+
+
+def test_the_answer_on_when_weighs_disaggregation_against_colocation_on_the_same_requests():
+    from experiments.lesson.when import _against_colocated
+
+    def ref(itl, itl_ci, ttft, ttft_ci):
+        return {"itl_ms": {"p99": itl}, "ttft_ms": {"p50": ttft},
+                "ci": {"itl_ms.p99": itl_ci, "ttft_ms.p50": ttft_ci}}
+    ch = {"rate": 6.0, "refs": {"disaggregated": ref(30.0, [25.0, 40.0], 400.0, [300.0, 500.0]),
+                                "prefill_first": ref(180.0, [150.0, 200.0], 160.0, [150.0, 190.0])}}
+    text = _against_colocated(ch)
+    assert "(6.00 requests/s, section 4)" in text
+    itl, ttft = text.split("; TTFT p50")
+    assert "disaggregated is lower than colocated prefill_first" in itl
+    assert "colocated prefill_first is lower than disaggregated" in ttft
+    ch["refs"]["disaggregated"] = ref(30.0, [25.0, 40.0], 170.0, [140.0, 300.0])
+    assert "no significant difference" in _against_colocated(ch).split("; TTFT p50")[1]
+    assert _against_colocated(None) == _against_colocated({"refs": {}}) == ""

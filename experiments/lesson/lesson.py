@@ -191,8 +191,12 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict
     """(the end-to-end chunking comparison, the measured goodput against rate): served together, round-robin,
     the chunking workload's rate being one point of each curve (the same runs)."""
     c, g = cfg.chunking, cfg.goodput_vs_rate.measured
+    lengths = [f"workload.{k}.value={c[k]}" for k in ("prompt_len", "output_len") if c.get(k) is not None]
+    lengths = ["workload.arrival=poisson"] + (lengths + ["workload.length_scale=1.0"] if lengths else [])
+
     def base(rate):
-        return common(cfg) + [f"workload={c.workload}", f"workload.rate={rate}", f"workload.num_requests={c.num_requests}"]
+        return common(cfg) + [f"workload={c.workload}", f"workload.rate={rate}", f"workload.num_requests={c.num_requests}",
+                              *lengths]
     named = {f"chunked_{size}": base(c.rate) + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
              for size in c.chunk_sizes}
     named |= {"prefill_first": base(c.rate) + ["layout=colocated-prefill_first"],
@@ -222,7 +226,8 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict
                                         rates.breakdown(rates.run_rows(runs / colo)))
     curves["breakdown"] |= {"rate": c.rate, "colocated_point": colo}
     return ({"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
-             "chunked": chunked, "refs": refs}, curves)
+             "prompt_len": c.get("prompt_len"), "output_len": c.get("output_len"), "chunked": chunked, "refs": refs},
+            curves)
 
 
 # -- 4. when to disaggregate ---------------------------------------------------------------------

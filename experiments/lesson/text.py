@@ -174,7 +174,7 @@ def chunking(r: dict, n: int) -> str:
     lines = [
         f"## {n}. Chunked prefill end to end",
         "",
-        f"Workload `{ch['workload']}` at {num(ch['rate'])} requests/s, {ch['num_requests']} requests, served end to "
+        f"Workload `{ch['workload']}`{_lengths(ch)} at {num(ch['rate'])} requests/s (Poisson), {ch['num_requests']} requests, served end to "
         f"end on {r['gpus']} workers for each chunk size, with prefill_first and disaggregated as references, each "
         f"{ch['repeats']} time(s) round-robin (runs under `runs/chunking/`, readable by `python -m "
         f"experiments.report`). Medians with {CI} intervals"
@@ -198,6 +198,12 @@ def chunking(r: dict, n: int) -> str:
         compare.sentence("TTFT p50", [_est(k, m, "ttft_ms.p50") for k, m in trio], " ms"),
     ]
     return "\n".join(lines)
+
+
+def _lengths(ch: dict) -> str:
+    if ch.get("prompt_len") is None:
+        return ""
+    return f" ({ch['prompt_len']}-token prompts, {ch['output_len']}-token outputs)"
 
 
 def _latency_row(label: str, m: dict) -> str:

@@ -39,7 +39,7 @@ def when(r: dict, n: int) -> str:
               "that both figures read, so the map and the strip agree on it.", ""]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
-    lines.append(_answer(de))
+    lines.append(_answer(de, r.get("goodput_vs_rate"), r.get("chunking")))
     return "\n".join(lines)
 
 
@@ -129,7 +129,7 @@ def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
             f"{prompt}; {link}{_link_saving(est['crossover_prompt_len'], s.get('least_link_bw'))}.")
 
 
-def _answer(de: dict) -> str:
+def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None) -> str:
     by = de["simulated"]["by_slo"]
     counts = {k: sum(c["winner"] == "disaggregated" for c in s["grid"]) for k, s in by.items()}
     total = {k: len(s["grid"]) for k, s in by.items()}
@@ -147,8 +147,39 @@ def _answer(de: dict) -> str:
     wins = [c for c in measured if c["winner"] not in ("tie", "colocated-prefill_first", "colocated-chunked")]
     ties = [c for c in measured if c["winner"] == "tie"]
     here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
-            "significant winner." if measured else " Nothing was measured here in this run.")
-    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}"
+            "significant winner." if measured else " No decision cell was measured here in this run.")
+    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}{_against_colocated(chunking)}{_at_load(rates)}"
+
+
+def _against_colocated(ch: dict | None) -> str:
+    """What disaggregation bought and cost on the same workers and requests, measured (section 4's runs):
+    its decode ITL p99 and TTFT p50 against colocated prefill_first's, from their intervals."""
+    refs = (ch or {}).get("refs") or {}
+    if "disaggregated" not in refs or "prefill_first" not in refs:
+        return ""
+    dis, pf = refs["disaggregated"], refs["prefill_first"]
+    pair = [("disaggregated", dis), ("colocated prefill_first", pf)]
+    said = [compare.sentence(metric, [compare.estimate(k, m, key) for k, m in pair], " ms").removesuffix(".")
+            for metric, key in (("decode ITL p99", "itl_ms.p99"), ("TTFT p50", "ttft_ms.p50"))]
+    return (f" Served here on the same workers and requests ({num(ch['rate'])} requests/s, section 4), "
+            + "; ".join(said) + ".")
+
+
+def _at_load(rates: dict | None) -> str:
+    """The measured rate curves, rate by rate: each mode's SLO attainment with its interval, and which
+    modes differ (where the intervals separate)."""
+    curves = ((rates or {}).get("measured") or {}).get("curves") or []
+    if not curves:
+        return ""
+    parts = []
+    for i, rate in sorted(enumerate(curves[0]["rates"]), key=lambda x: x[1]):
+        ests = [Estimate(c["name"], None if c["attainment"][i] is None else c["attainment"][i] * 100,
+                         tuple(x * 100 for x in c["attainment_ci"][i]) if c["attainment_ci"][i] else None)
+                for c in curves]
+        workers = round(rate / curves[0]["rates_per_gpu"][i])
+        parts.append(f"at {num(rate)} requests/s on {workers} workers " +
+                     compare.sentence("SLO attainment", ests, "%").removesuffix("."))
+    return " Served here, " + "; ".join(parts) + "."
 
 
 def _knee(c: dict, unit: str) -> str:
