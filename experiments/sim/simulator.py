@@ -212,13 +212,24 @@ class Simulator(KVTransfers, WorkerSteps):
                   ("submit", att.preq))
 
     def _refresh_kv(self) -> None:
-        """Count the KV tokens of decode runs in flight, as far as their steps have reached the router."""
+        """Count the KV tokens of decode runs in flight, as far as their steps have reached the router.
+        The router's clock only moves forward, so a run's steps seen only grow: each run keeps how many
+        (`run_seen`) and walks on from there, and a load changes only when that count does."""
         seen = self.now - self.costs.return_s
+        loads = self.loads
         for w in self.in_run:
-            if w.run is not None:
-                dyn = len(w.run.reqs) * w.steps_ended_by(seen)
-                self.loads[w.rank].kv_tokens += dyn - w.run_tokens
-                w.run_tokens = dyn
+            run = w.run
+            if run is None:
+                continue
+            j, m, ends = w.run_seen, w.run_steps, run.ends
+            if j >= m or ends[j] > seen:
+                continue
+            while j < m and ends[j] <= seen:
+                j += 1
+            w.run_seen = j
+            dyn = len(run.reqs) * j
+            loads[w.rank].kv_tokens += dyn - w.run_tokens
+            w.run_tokens = dyn
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         if not att.live:

@@ -112,7 +112,7 @@ class WorkerSteps:
         w.step_c = e.contention(shared)
         if k >= 1:
             run = e.start_run(t, k, shared)
-            w.run, w.run_steps, w.run_tokens, w.state = run, k, 0, "run"
+            w.run, w.run_steps, w.run_tokens, w.run_seen, w.state = run, k, 0, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return

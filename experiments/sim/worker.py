@@ -52,6 +52,7 @@ class SimWorker:
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
+    run_seen: int = 0                      # steps of the run in flight whose end the router has seen
     delivered: float = 0.0                 # when the router got this worker's latest step
     log: list = field(default_factory=list)
 
@@ -80,13 +81,6 @@ class SimWorker:
             self.run.ends[self.run_steps - 1] = end
         else:
             self.step_end = end
-
-    def steps_ended_by(self, t: float) -> int:
-        """Steps of the run in flight that ended by `t`."""
-        if self.run is None:
-            return 0
-        import numpy as np
-        return min(int(np.searchsorted(self.run.ends, t, side="right")), self.run_steps)
 
     def log_step(self, start: float, end: float, sched, preempted: int) -> None:
         if self.record_steps:
