@@ -35,7 +35,8 @@ from experiments.config import parse
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
 from experiments.serving.metrics import summarize
-from experiments.sim.backend import outputs, profile_for, simulate
+from experiments.analysis.profile import profile_for
+from experiments.sim.backend import outputs, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival
 from experiments.sim.stepmodel import LinearStepModel

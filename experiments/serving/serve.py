@@ -195,7 +195,7 @@ def engines_for(spec: RunSpec) -> dict:
 
 def profiled_gemm_rows(spec: RunSpec):
     """The profile's cpu_gemm_rows for a CPU run left on auto, else "auto" (measured per process)."""
-    from experiments.sim.backend import profile_for
+    from experiments.analysis.profile import profile_for
 
     if spec.engine.cpu_gemm_rows != "auto" or spec.model.device not in ("auto", "cpu"):
         return "auto"

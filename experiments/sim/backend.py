@@ -29,17 +29,12 @@ from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
 from experiments.sim.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
                                     summarize_sim, write_table)
-from workers.config import from_hf_config, preset
+from experiments.analysis.profile import model_config, profile_for
 
 # Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
 HBM_BYTES = {"a100": 80e9, "h100": 80e9, "h200": 141e9}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_CI_GAPS = 200_000       # within-run bootstrap only up to this many ITL gaps (1,000 resamples of each)
-
-
-def model_config(spec: RunSpec):
-    m = spec.model
-    return from_hf_config(f"{m.checkpoint}/config.json") if m.checkpoint else preset(m.model)
 
 
 def on_gpu(spec: RunSpec) -> bool:
@@ -86,27 +81,6 @@ def sim_config(spec: RunSpec, nbytes: int, record_steps: bool = True, keep_token
                      mcfg.num_layers, spec.max_model_len, spec.router, spec.transfer, spec.fault,
                      spec.cluster.placement, spec.hardware.gpus_per_node if on_gpu(spec) else 0,
                      getattr(spec.transfer, "stream", "off"), fast_forward, record_steps, keep_tokens, pool_gaps)
-
-
-def worker_threads(spec: RunSpec) -> int:
-    """Torch threads a real run's workers get here (cluster/pool.py's rule)."""
-    c = spec.cluster
-    return c.torch_threads or max(1, (c.num_cpus or os.cpu_count() or 1) // c.num_workers)
-
-
-def profile_for(spec: RunSpec) -> Path:
-    from experiments.analysis.profile import profile_path
-
-    if spec.hardware.profile:
-        return Path(spec.hardware.profile)
-    mcfg = model_config(spec)
-    dtype = spec.model.dtype if spec.model.dtype != "auto" else "float32"
-    path = profile_path(mcfg.name, dtype, worker_threads(spec))
-    if not path.is_file():
-        raise ConfigError(f"hardware=measured: no profile of this machine at {path}; make one with "
-                          f"python -m experiments.profile model={mcfg.name} threads={worker_threads(spec)}, or give "
-                          "hardware.profile=FILE or a datasheet GPU (hardware=h200)")
-    return path
 
 
 def costs_for(spec: RunSpec, serving: dict | None = None) -> Costs:

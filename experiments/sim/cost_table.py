@@ -36,7 +36,8 @@ def tables(step, batches, prefills, context: int, decodes: int) -> dict:
 
 def compare(spec, context: int = 1024, decodes: int = 32, batches=BATCHES, prefills=PREFILLS) -> dict:
     """The tables of every source for a RunSpec on a datasheet GPU, the chosen source's on top."""
-    from experiments.sim.backend import costs_for, dtype_bytes, model_config
+    from experiments.analysis.profile import model_config
+    from experiments.sim.backend import costs_for, dtype_bytes
 
     if spec.hardware.name not in HARDWARE:
         raise ConfigError(f"hardware={spec.hardware.name}: the cost sources are for datasheet GPUs "
