@@ -394,7 +394,7 @@ def test_the_answer_on_when_weighs_disaggregation_against_colocation_on_the_same
     ch = {"rate": 6.0, "refs": {"disaggregated": ref(30.0, [25.0, 40.0], 400.0, [300.0, 500.0]),
                                 "prefill_first": ref(180.0, [150.0, 200.0], 160.0, [150.0, 190.0])}}
     text = _against_colocated(ch)
-    assert "(6.00 requests/s, section 4)" in text
+    assert "(6.00 requests/s, the chunked prefill end-to-end runs)" in text
     itl, ttft = text.split("; TTFT p50")
     assert "disaggregated is lower than colocated prefill_first" in itl
     assert "colocated prefill_first is lower than disaggregated" in ttft

@@ -152,7 +152,7 @@ def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None) -
 
 
 def _against_colocated(ch: dict | None) -> str:
-    """What disaggregation bought and cost on the same workers and requests, measured (section 4's runs):
+    """What disaggregation bought and cost on the same workers and requests, measured (the chunking comparison's runs):
     its decode ITL p99 and TTFT p50 against colocated prefill_first's, from their intervals."""
     refs = (ch or {}).get("refs") or {}
     if "disaggregated" not in refs or "prefill_first" not in refs:
@@ -161,7 +161,7 @@ def _against_colocated(ch: dict | None) -> str:
     pair = [("disaggregated", dis), ("colocated prefill_first", pf)]
     said = [compare.sentence(metric, [compare.estimate(k, m, key) for k, m in pair], " ms").removesuffix(".")
             for metric, key in (("decode ITL p99", "itl_ms.p99"), ("TTFT p50", "ttft_ms.p50"))]
-    return (f" Served here on the same workers and requests ({num(ch['rate'])} requests/s, section 4), "
+    return (f" Served here on the same workers and requests ({num(ch['rate'])} requests/s, the chunked prefill end-to-end runs), "
             + "; ".join(said) + ".")
 
 
