@@ -41,3 +41,17 @@ def test_auto_stays_measured_without_a_recorded_route_or_on_a_gpu(tmp_path):
     recorded = _profile(tmp_path, cpu_gemm_rows=512)
     engines = engines_for(_spec(f"hardware.profile={recorded}", "model.device=cuda"))
     assert {e.cpu_gemm_rows for e in engines.values()} == {"auto"}
+
+
+def test_a_profile_recording_a_route_no_engine_takes_is_refused_naming_it(tmp_path):
+    from experiments.config import ConfigError
+
+    path = _profile(tmp_path, cpu_gemm_rows=100)
+    with pytest.raises(ConfigError, match=r"profile\.json: cpu_gemm_rows=100"):
+        engines_for(_spec(f"hardware.profile={path}", "model.device=cpu"))
+
+
+def test_workers_of_an_existing_cluster_measure_their_own_route(tmp_path):
+    path = _profile(tmp_path, cpu_gemm_rows=512)
+    engines = engines_for(_spec(f"hardware.profile={path}", "model.device=cpu", "cluster.address=auto"))
+    assert {e.cpu_gemm_rows for e in engines.values()} == {"auto"}

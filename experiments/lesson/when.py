@@ -148,12 +148,14 @@ def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None) -
     ties = [c for c in measured if c["winner"] == "tie"]
     here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
             "significant winner." if measured else " No decision cell was measured here in this run.")
-    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}{_against_colocated(chunking)}{_at_load(rates)}"
+    served = _against_colocated(chunking) + _at_load(rates)
+    return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}{served}"
 
 
 def _against_colocated(ch: dict | None) -> str:
-    """What disaggregation bought and cost on the same workers and requests, measured (the chunking comparison's runs):
-    its decode ITL p99 and TTFT p50 against colocated prefill_first's, from their intervals."""
+    """What disaggregation bought and cost on the same workers and requests, measured (the chunking
+    comparison's runs): its decode ITL p99 and TTFT p50 against colocated prefill_first's, from their
+    intervals."""
     refs = (ch or {}).get("refs") or {}
     if "disaggregated" not in refs or "prefill_first" not in refs:
         return ""
@@ -161,8 +163,8 @@ def _against_colocated(ch: dict | None) -> str:
     pair = [("disaggregated", dis), ("colocated prefill_first", pf)]
     said = [compare.sentence(metric, [compare.estimate(k, m, key) for k, m in pair], " ms").removesuffix(".")
             for metric, key in (("decode ITL p99", "itl_ms.p99"), ("TTFT p50", "ttft_ms.p50"))]
-    return (f" Served here on the same workers and requests ({num(ch['rate'])} requests/s, the chunked prefill end-to-end runs), "
-            + "; ".join(said) + ".")
+    return (f" Served here on the same workers and requests ({num(ch['rate'])} requests/s, the chunked prefill "
+            "end-to-end runs), " + "; ".join(said) + ".")
 
 
 def _at_load(rates: dict | None) -> str:

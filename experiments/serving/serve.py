@@ -194,20 +194,30 @@ def engines_for(spec: RunSpec) -> dict:
 
 
 def profiled_gemm_rows(spec: RunSpec):
-    """The profile's cpu_gemm_rows for a CPU run left on auto, else "auto" (measured per process)."""
+    """The profile's cpu_gemm_rows for a CPU run on this machine left on auto, else "auto" (measured per
+    process: on a GPU, on an existing cluster whose workers run elsewhere, or without a profile)."""
     from experiments.analysis.profile import profile_for
+    from workers.config import check_gemm_rows
 
-    if spec.engine.cpu_gemm_rows != "auto" or spec.model.device not in ("auto", "cpu"):
+    if (spec.engine.cpu_gemm_rows != "auto" or spec.model.device not in ("auto", "cpu")
+            or spec.cluster.address is not None):
         return "auto"
     if spec.model.device == "auto":
         import torch
         if torch.cuda.is_available():
             return "auto"
     try:
-        prof = json.loads(profile_for(spec).read_text())
+        path = profile_for(spec)
+        prof = json.loads(path.read_text())
     except (ConfigError, OSError, ValueError):
         return "auto"
-    return prof.get("cpu_gemm_rows", "auto")
+    rows = prof.get("cpu_gemm_rows", "auto")
+    if rows != "auto":
+        try:
+            check_gemm_rows(rows)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    return rows
 
 
 # -- one repeat of one point ----------------------------------------------------------------------
