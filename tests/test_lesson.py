@@ -401,3 +401,20 @@ def test_the_answer_on_when_weighs_disaggregation_against_colocation_on_the_same
     ch["refs"]["disaggregated"] = ref(30.0, [25.0, 40.0], 170.0, [140.0, 300.0])
     assert "no significant difference" in _against_colocated(ch).split("; TTFT p50")[1]
     assert _against_colocated(None) == _against_colocated({"refs": {}}) == ""
+
+
+def test_controlled_decodes_are_renewed_where_every_round_would_outgrow_the_model(monkeypatch):
+    """Rounds whose decode tokens together exceed the model's positions beside the context and the
+    prompt still run: the decodes are renewed at the context between episodes, never inside one."""
+    from experiments.lesson import controlled
+
+    model = build_model(model="tiny", seed=0)
+    import dataclasses
+    monkeypatch.setattr(model, "cfg", dataclasses.replace(model.cfg, max_position_embeddings=256))
+    res = controlled.run(model, [16, "whole"], num_decodes=2, context=16, prompt_len=64, repeats=20,
+                         disaggregated=False)
+    assert res["renewed"]["chunk 16"] >= 1          # its episodes are the longest
+    for r in res["rows"]:
+        assert len(r["samples"]) == 20 and all(m["stall_ms"] is not None for m in r["samples"]), r["setup"]
+    with pytest.raises(ValueError, match="tokens of one episode exceed"):
+        controlled.run(model, [16], num_decodes=1, context=16, prompt_len=200, repeats=2)

@@ -8,7 +8,8 @@ prompt has its first token (disaggregated: until the decode worker has made its 
 more steps and aborts the prompt. prefill_first's token budget is the prompt, so the prompt's step
 carries no decode (the original vLLM and Orca-style schedule); chunked's is the decodes plus the chunk.
 Episodes run in rounds, one per setup per round in an order rotated from round to round after a
-warm-up round, so that drift of the machine hits every setup alike.
+warm-up round, so that drift of the machine hits every setup alike. Where every round's decode tokens
+together would outgrow the model's positions, the decodes are renewed at `context` between episodes.
 
 Time is each engine's own: the sum of its measured step durations (plus, disaggregated, the measured
 KV import on the decode worker), so a gap between episodes or another setup's steps never counts.
@@ -107,16 +108,23 @@ class Bench:
     """One setup's engine(s) and clock, its decodes kept running from episode to episode."""
 
     def __init__(self, model, setup: Setup, num_decodes: int, context: int, prompt_len: int, max_tokens: int,
-                 link_bw: float, gen: torch.Generator, clock: str = "wall"):
+                 link_bw: float, gen: torch.Generator, clock: str = "wall", per_episode: int | None = None):
+        """`max_tokens`: what the decodes may make in all; where that outgrows the model's positions beside
+        the context and the prompt, they make what fits and are renewed at `context` before an episode
+        that could outrun them (`per_episode`: the most tokens one episode takes)."""
         self.model, self.setup, self.prompt_len, self.link_bw, self.gen = model, setup, prompt_len, link_bw, gen
         self.clock = CLOCKS[clock]
         cfg = model.cfg
         block = 16
-        max_len = context + max_tokens + prompt_len + 8
-        if max_len > cfg.max_position_embeddings:
+        room = cfg.max_position_embeddings - context - prompt_len - 8
+        per_episode = per_episode or max_tokens
+        if room < per_episode:
             raise ValueError(f"controlled chunking: context {context} + prompt_len {prompt_len} + the decodes' "
-                             f"{max_tokens} tokens exceed {cfg.name}'s {cfg.max_position_embeddings} positions; "
-                             "lower chunking_controlled.prompt_len, context or repeats")
+                             f"{per_episode} tokens of one episode exceed {cfg.name}'s "
+                             f"{cfg.max_position_embeddings} positions; lower chunking_controlled.prompt_len or context")
+        max_tokens = min(max_tokens, room)
+        self.context, self.max_tokens, self.per_episode, self.renewed = context, max_tokens, per_episode, 0
+        max_len = context + max_tokens + prompt_len + 8
         blocks = num_decodes * -(-(context + max_tokens + 1) // block) + 2 * -(-(prompt_len + 2) // block) + 8
         chunk = setup.chunk
         if setup.policy == "chunked":
@@ -134,13 +142,30 @@ class Bench:
             self.prefill = Engine(model, EngineConfig(policy="chunked", token_budget=prompt_len, max_batch=2,
                                                       block_size=block, num_kv_blocks=-(-(prompt_len + 2) // block) + 4,
                                                       max_model_len=prompt_len + 8, role="prefill"))
-        self.ids = [f"d{i}" for i in range(num_decodes)]
-        for rid in self.ids:
-            self.engine.add_request(rid, self._prompt(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        while any(r.is_prefill for r in self.engine.requests.values()):
-            self.engine.step()
+        self.num_decodes = num_decodes
+        self._start_decodes()
         self.now = 0.0
         self.count = 0
+
+    def _start_decodes(self) -> None:
+        """N fresh decodes at `context`, prefilled off the clock."""
+        self.ids = [f"d{i}" + (f".{self.renewed}" if self.renewed else "") for i in range(self.num_decodes)]
+        for rid in self.ids:
+            self.engine.add_request(rid, self._prompt(self.context),
+                                    SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
+        while any(r.is_prefill for r in self.engine.requests.values()):
+            self.engine.step()
+
+    def _renew_if_short(self) -> None:
+        """Before an episode: decodes with fewer tokens left than an episode takes are aborted and
+        replaced by fresh ones at `context` (the prompt never finds them finishing mid-episode)."""
+        left = min(self.max_tokens - self.engine.requests[rid].num_output_tokens for rid in self.ids)
+        if left >= self.per_episode:
+            return
+        for rid in self.ids:
+            self.engine.abort(rid)
+        self.renewed += 1
+        self._start_decodes()
 
     def _prompt(self, n: int) -> list[int]:
         return torch.randint(self.model.cfg.vocab_size, (n,), generator=self.gen).tolist()
@@ -155,6 +180,7 @@ class Bench:
         return events
 
     def episode(self, lead: int, tail: int) -> Episode:
+        self._renew_if_short()
         self.count += 1
         pid = f"prompt{self.count}"
         times = {rid: [] for rid in self.ids}
@@ -212,7 +238,8 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
         tail: int = 2, link_bw: float = 0.0, seed: int = 0, disaggregated: bool = True, clock: str = "wall",
         max_extra: int = 0) -> dict:
     """The experiment of the module docstring: {"rows": [per setup: chunk, stall_ms, ttft_ms, itl_p99_ms,
-    steady_ms as [median, low, high], samples], "timeline": the median round's episodes, "extra_rounds"}.
+    steady_ms as [median, low, high], samples], "timeline": the median round's episodes, "extra_rounds",
+    "renewed": per setup, how often its decodes were renewed at `context`}.
     After `repeats` rounds, up to `max_extra` more while the smallest chunk's and the largest chunk's stall
     or TTFT intervals still overlap (a noisy machine; every setup gets each extra round)."""
     if clock not in CLOCKS:
@@ -227,8 +254,10 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     plan = setups(chunks, disaggregated)
     steps = {s.label: lead + tail + 4 + (-(-prompt_len // (prompt_len if s.chunk in (None, WHOLE) else s.chunk)))
              for s in plan}
-    most = max(steps.values()) * (repeats + max_extra + 1) * 2 + 16    # the decodes' tokens over every episode
-    benches = {s.label: Bench(model, s, num_decodes, context, prompt_len, most, link_bw, gen, clock) for s in plan}
+    per = max(steps.values()) * 2 + 16                 # the decodes' tokens in one episode, with room to spare
+    most = per * (repeats + max_extra + 1)              # ... and over every episode
+    benches = {s.label: Bench(model, s, num_decodes, context, prompt_len, most, link_bw, gen, clock, per)
+               for s in plan}
     episodes: dict[str, list[Episode]] = {s.label: [] for s in plan}
 
     def one_round(k: int) -> None:
@@ -258,7 +287,8 @@ def run(model, chunks: list, num_decodes: int, context: int, prompt_len: int, re
     timeline = {s.label: episodes[s.label][median_round].to_dict() for s in plan}
     return {"num_decodes": num_decodes, "context": context, "prompt_len": prompt_len, "repeats": repeats,
             "lead": lead, "tail": tail, "link_bw": link_bw, "clock": clock, "max_extra": max_extra,
-            "extra_rounds": extra, "rows": rows, "timeline": timeline}
+            "extra_rounds": extra, "rows": rows, "timeline": timeline,
+            "renewed": {label: b.renewed for label, b in benches.items()}}
 
 
 def _separated(a: list[Episode], b: list[Episode], seed: int) -> bool:
