@@ -136,7 +136,7 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
                           "Chunk size trades the decodes' stall against the prompt's TTFT "
                           f"({res['repeats'] + res['extra_rounds']} rounds, median and 95% interval)")
     stall = {k: res[k] for k in ("num_decodes", "context", "prompt_len", "repeats", "lead", "tail", "link_bw", "clock",
-                                  "max_extra", "extra_rounds")}
+                                  "max_extra", "extra_rounds", "renewed")}
     stall |= {"device": device, "refs": refs, "timeline": timeline, "machine": machine}
     return rows, stall
 
