@@ -226,10 +226,8 @@ class Simulator(KVTransfers, WorkerSteps):
                 continue
             while j < m and ends[j] <= seen:
                 j += 1
+            loads[w.rank].kv_tokens += len(run.reqs) * (j - w.run_seen)
             w.run_seen = j
-            dyn = len(run.reqs) * j
-            loads[w.rank].kv_tokens += dyn - w.run_tokens
-            w.run_tokens = dyn
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         if not att.live:

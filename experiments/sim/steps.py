@@ -112,7 +112,7 @@ class WorkerSteps:
         w.step_c = e.contention(shared)
         if k >= 1:
             run = e.start_run(t, k, shared)
-            w.run, w.run_steps, w.run_tokens, w.run_seen, w.state = run, k, 0, 0, "run"
+            w.run, w.run_steps, w.run_seen, w.state = run, k, 0, "run"
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
@@ -160,8 +160,8 @@ class WorkerSteps:
         at = self._deliveries(w, ends)
         end = w.last_end = float(run.ends[m - 1])
         b = len(run.reqs)
-        self.loads[w.rank].kv_tokens += b * m - w.run_tokens
-        w.run, w.run_tokens = None, 0
+        self.loads[w.rank].kv_tokens += b * (m - w.run_seen)      # the steps the router had not yet counted
+        w.run, w.run_seen = None, 0
         self.in_run.discard(w)
         keep, gaps = Record.keep, self.gaps
         f0, fl, c0, cl = float(ends[0]), end, float(at[0]), float(at[-1])

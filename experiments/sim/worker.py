@@ -51,8 +51,8 @@ class SimWorker:
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
-    run_tokens: int = 0                    # KV tokens of the run already counted in the router's load
-    run_seen: int = 0                      # steps of the run in flight whose end the router has seen
+    run_seen: int = 0                      # steps of the run in flight whose end the router has seen (their
+                                           # KV tokens, run_seen x its requests, are in the router's load)
     delivered: float = 0.0                 # when the router got this worker's latest step
     log: list = field(default_factory=list)
 
