@@ -196,16 +196,13 @@ def engines_for(spec: RunSpec) -> dict:
 def profiled_gemm_rows(spec: RunSpec):
     """The profile's cpu_gemm_rows for a CPU run on this machine left on auto, else "auto" (measured per
     process: on a GPU, on an existing cluster whose workers run elsewhere, or without a profile)."""
-    from experiments.analysis.profile import profile_for
+    from experiments.analysis.profiles import profile_for
     from workers.config import check_gemm_rows
+    from workers.weights import parse_device
 
-    if (spec.engine.cpu_gemm_rows != "auto" or spec.model.device not in ("auto", "cpu")
-            or spec.cluster.address is not None):
+    if (spec.engine.cpu_gemm_rows != "auto" or spec.cluster.address is not None
+            or spec.model.device not in ("auto", "cpu") or parse_device(spec.model.device).type != "cpu"):
         return "auto"
-    if spec.model.device == "auto":
-        import torch
-        if torch.cuda.is_available():
-            return "auto"
     try:
         path = profile_for(spec)
         prof = json.loads(path.read_text())

@@ -29,7 +29,7 @@ from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
 from experiments.sim.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
                                     summarize_sim, write_table)
-from experiments.analysis.profile import model_config, profile_for
+from experiments.analysis.profiles import model_config, profile_for
 
 # Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
 HBM_BYTES = {"a100": 80e9, "h100": 80e9, "h200": 141e9}
