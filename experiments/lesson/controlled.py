@@ -157,13 +157,15 @@ class Bench:
             self.engine.step()
 
     def _renew_if_short(self) -> None:
-        """Before an episode: decodes with fewer tokens left than an episode takes are aborted and
-        replaced by fresh ones at `context` (the prompt never finds them finishing mid-episode)."""
-        left = min(self.max_tokens - self.engine.requests[rid].num_output_tokens for rid in self.ids)
+        """Before an episode: decodes with fewer tokens left than an episode takes (or already finished)
+        are aborted and replaced by fresh ones at `context`."""
+        reqs = self.engine.requests
+        left = min(self.max_tokens - reqs[rid].num_output_tokens if rid in reqs else 0 for rid in self.ids)
         if left >= self.per_episode:
             return
         for rid in self.ids:
-            self.engine.abort(rid)
+            if rid in reqs:
+                self.engine.abort(rid)
         self.renewed += 1
         self._start_decodes()
 
