@@ -244,7 +244,7 @@ def test_engine_run_length_respects_waiting_prompts_and_blocks():
 
 # -- against the real engine ------------------------------------------------------------------------
 # -- the planner ------------------------------------------------------------------------------------
-def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4):
+def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4, link=(0.0, 1e12), steps=4, shared=None):
     from hydra import compose, initialize_config_dir
 
     from experiments.analysis.plan import plan
@@ -255,8 +255,8 @@ def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4):
             "compare=null", "model=tiny", "workload=fixed", "workload.arrival=poisson", "workload.length_scale=1.0",
             f"workload.prompt_len.value={prompt_len}", f"workload.output_len.value={output_len}",
             f"slo.ttft_ms={slo[0]}", f"slo.tpot_ms={slo[1]}", f"scheduler.max_batch={max_batch}"])
-    return plan(cfg, gpus, [64], probe=2, requests_per_worker=40, steps=4, verify_requests_per_gpu=20,
-                costs=costs(coef=coef, link=(0.0, 1e12)))
+    return plan(cfg, gpus, [64], probe=2, requests_per_worker=40, steps=steps, verify_requests_per_gpu=20,
+                costs=costs(coef=coef, link=link), shared=shared)
 
 
 def test_planner_disaggregates_with_most_gpus_prefilling_when_prompts_dominate_and_tpot_is_tight():
@@ -276,6 +276,24 @@ def test_planner_keeps_colocated_when_decodes_dominate():
     best, runner = result["best"], result["runner_up"]
     assert best.layout.startswith("colocated") and runner.layout == "1p3d"
     assert runner.goodput_per_gpu == pytest.approx(0.75 * best.goodput_per_gpu, rel=0.1)
+
+
+def test_plans_sharing_simulations_choose_as_plans_on_their_own_and_run_fewer():
+    # the second SLO's plan reuses what does not depend on the SLO (the prefill probe: TTFT only); the
+    # slow link's reuses the colocated searches but not the disaggregated ones, whose KV crosses it
+    def view(result):
+        return [(c.name, c.goodput_per_gpu, c.how) for c in result["candidates"]] + \
+            [(c.name, c.goodput_per_gpu, c.attainment) for c in (result["best"], result["runner_up"])]
+    coef = (1.0, 0.0, 0.0, 0.1, 0.0, 0.0)
+    asked = [((2000, 3.0), (0.0, 1e12)), ((2000, 6.0), (0.0, 1e12)), ((2000, 3.0), (5.0, 1e6))]
+    alone = [_plan(1000, 20, coef, slo, link=link, steps=2) for slo, link in asked]
+    shared: dict = {}
+    together = [_plan(1000, 20, coef, slo, link=link, steps=2, shared=shared) for slo, link in asked]
+    assert [view(r) for r in together] == [view(r) for r in alone]
+    assert view(alone[2]) != view(alone[0])                  # the slow link changes the disaggregated layouts
+    assert together[0]["num_sims"] == alone[0]["num_sims"]
+    assert 0 < together[1]["num_sims"] < alone[1]["num_sims"]
+    assert 0 < together[2]["num_sims"] < alone[2]["num_sims"]
 
 
 def test_lazy_block_manager_hands_out_the_real_one_s_blocks():

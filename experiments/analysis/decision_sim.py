@@ -38,10 +38,12 @@ def cell_config(base: DictConfig, prompt_len: int, output_len: int, slo: dict, l
 
 
 def simulate_cell(base: DictConfig, gpus: int, prompt_len: int, output_len: int, slo: dict, link_bw: float,
-                  chunks: list[int], requests_per_worker: int, steps: int, stream: str = "off") -> dict:
-    """{prompt_len, output_len, winner, modes: {mode: {goodput_per_gpu, layout}}, source, num_sims}."""
+                  chunks: list[int], requests_per_worker: int, steps: int, stream: str = "off",
+                  shared: dict | None = None) -> dict:
+    """{prompt_len, output_len, winner, modes: {mode: {goodput_per_gpu, layout}}, source, num_sims};
+    `shared`: simulations of other cells to reuse (experiments/analysis/plan.py)."""
     result = plan(cell_config(base, prompt_len, output_len, slo, link_bw, stream), gpus, chunks, probe=2,
-                  requests_per_worker=requests_per_worker, steps=steps, verify_requests_per_gpu=20)
+                  requests_per_worker=requests_per_worker, steps=steps, verify_requests_per_gpu=20, shared=shared)
     modes: dict[str, dict] = {}
     checked = {c.name: c for c in (result["best"], result["runner_up"]) if c is not None}
     for c in (checked.get(c.name, c) for c in result["candidates"]):   # a layout checked at full scale: that value
@@ -66,13 +68,14 @@ def simulated_map(base: DictConfig, gpus: int, prompt_lens: list[int], output_le
     crossover prompt at `link_bw`) is simulated once and read by both, so they agree on it."""
     out = {}
     bar = Progress("simulated", unit="cells")
+    shared: dict = {}                       # a simulation two cells need (other SLO; a colocated layout, other link) runs once
     for name, slo in slos.items():
         seen: dict = {}                     # a cell asked for twice (the grid's and a link sweep's) is simulated once
 
         def cell(lp, lo, bw=link_bw, how=stream):
             key = (lp, lo, float(bw), how)
             if key not in seen:
-                seen[key] = simulate_cell(base, gpus, lp, lo, slo, bw, chunks, requests_per_worker, steps, how)
+                seen[key] = simulate_cell(base, gpus, lp, lo, slo, bw, chunks, requests_per_worker, steps, how, shared)
                 bar.update(sims=bar.notes.get("sims", 0) + seen[key]["num_sims"], slo=name)
             return seen[key]
         grid = [cell(lp, lo) for lp in prompt_lens for lo in output_lens]

@@ -37,6 +37,9 @@ class FreeStep:
 
     name = "free"
 
+    def __repr__(self) -> str:
+        return "FreeStep()"
+
     def time(self, f) -> float:
         return 1e-6
 
@@ -105,12 +108,39 @@ def kept_up(sim, phase: str = "both") -> bool:
     return in_system(last) - in_system(half) <= GROWTH * second + 3 * math.sqrt(in_system(half) + 1)
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What a search reads of a simulation: its request records."""
+    records: dict
+
+
+def _key(spec, costs, seed: int) -> tuple:
+    """What a simulation's records depend on: the spec but its SLO (judged afterwards), the costs, the
+    seed; a colocated layout moves no KV, so neither its link nor its transfer settings count."""
+    colocated = spec.cluster.mode == "colocated"
+    spec = dataclasses.replace(spec, slo=None)
+    if colocated:
+        spec = dataclasses.replace(spec, transfer=None, hardware=dataclasses.replace(spec.hardware, link_bw=None))
+    steps = tuple(sorted((role, _model_key(m, costs)) for role, m in costs.role_step.items()))
+    moves = None if colocated else (repr(costs.transfer), costs.export, costs.import_)
+    return repr(spec), seed, _model_key(costs.step, costs), steps, moves, costs.dispatch_s, costs.return_s
+
+
+def _model_key(model, costs) -> str:
+    """A step model by its fields where it is a dataclass, else by its kind and the costs' source."""
+    if dataclasses.is_dataclass(model) or isinstance(model, FreeStep):
+        return repr(model)
+    return f"{type(model).__name__}: {costs.source}"
+
+
 class Search:
     """Bisection of the highest rate meeting the target, each probe one simulation."""
 
-    def __init__(self, cfg: DictConfig, requests_per_worker: int, steps: int, seed: int, costs=None):
+    def __init__(self, cfg: DictConfig, requests_per_worker: int, steps: int, seed: int, costs=None,
+                 shared: dict | None = None):
         self.cfg, self.per_worker, self.steps, self.seed = cfg, requests_per_worker, steps, seed
         self.num_sims = 0
+        self.shared = shared            # simulations by what they depend on, kept across searches (see _key)
         base = parse(apply_layout(cfg, "colocated-chunked"))
         self.slo, self.target = base.slo, base.slo.attainment_target
         self.costs = costs or costs_for(base)
@@ -136,9 +166,16 @@ class Search:
 
     def _simulate(self, spec, rate: float, n: int, costs):
         w = dataclasses.replace(spec.workload, rate=rate, num_requests=n)
+        costs = costs or self.costs
+        key = None if self.shared is None else _key(dataclasses.replace(spec, workload=w), costs, self.seed)
+        if key in (self.shared or {}):
+            return self.shared[key]
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, self.seed, token_ids=False)
         self.num_sims += 1
-        return simulate(spec, arrivals, costs or self.costs, record_steps=False, keep_tokens=False)
+        sim = simulate(spec, arrivals, costs, record_steps=False, keep_tokens=False)
+        if key is not None:
+            self.shared[key] = Finished(sim.records)
+        return sim
 
     def meets(self, spec, rate: float, n: int, phase: str, costs=None, horizon: bool = True) -> tuple[bool, float]:
         sim = self.run(spec, rate, n, costs, horizon, phase)
@@ -180,11 +217,14 @@ class Search:
 
 
 def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests_per_worker: int = 200,
-         steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0, costs=None) -> dict:
+         steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0, costs=None,
+         shared: dict | None = None) -> dict:
     """The search of the module docstring; `costs` (experiments/sim/costs.py) replace the hardware
-    group's."""
+    group's; `shared` keeps simulations for later plans to reuse (one per layout, rate and request
+    count, whatever the SLO: plans of the same cells under other SLOs or links; `num_sims` counts
+    only this plan's own)."""
     started = time.perf_counter()
-    s = Search(cfg, requests_per_worker, steps, seed, costs)
+    s = Search(cfg, requests_per_worker, steps, seed, costs, shared)
     guess = 1.0
     out: list[Candidate] = []
     k = max(1, min(probe, gpus))
