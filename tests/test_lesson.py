@@ -103,7 +103,7 @@ def test_the_prompt_and_link_sweeps_read_their_shared_cell_from_one_simulation(m
 
     calls = []
 
-    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off"):
+    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off", shared=None):
         calls.append((lp, lo, bw, stream))
         disagg = lp == 1024 or (lp == 4096 and bw > 1e11)      # wins at 1,024, and at 4,096 only over NVLink
         winner = "disaggregated" if disagg else "colocated_chunked"
@@ -271,7 +271,7 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
 
     calls = []
 
-    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off"):
+    def fake_cell(base, gpus, lp, lo, slo, bw, chunks, rpw, steps, stream="off", shared=None):
         calls.append((slo["tpot_ms"], lp, lo, bw, stream))
         winner = "disaggregated" if slo["tpot_ms"] < 10 and bw > 1e10 else "colocated_chunked"
         return {"prompt_len": lp, "output_len": lo, "winner": winner, "source": "simulated with fake", "num_sims": 1,
@@ -314,6 +314,10 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
         assert bp["winners"][bp["prompt_lens"].index(4096)] == bl["winners"][bl["link_bws"].index(5e10)]
     assert set(r["decision"]["simulated"]["by_slo"]) == {"loose", "tight"}
     assert [p["batch"] for p in r["interference"]["points"]] == [2, 2, 2]
+    took = r["section_s"]                                  # where the lesson's time went, section by section
+    assert list(took) == ["roofline", "interference", "chunking_controlled", "chunking", "goodput_vs_rate", "decision"]
+    assert all(v >= 0 for v in took.values()) and sum(took.values()) <= r["elapsed_s"] + 1
+    assert f"decision {__import__('experiments.lesson.text', fromlist=['num']).num(took['decision'])} s" in text
     base = r["interference"]["points"][0]
     assert f"decode-only step took {__import__('experiments.lesson.text', fromlist=['num']).num(base['step_ms'])} ms" in text
 

@@ -327,23 +327,39 @@ def run(cfg: DictConfig, out: Path) -> dict:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU with {torch.get_num_threads()} threads"
     results = {"device": where, "model": model.cfg.name, "dtype": str(dtype).removeprefix("torch."),
                "quick": bool(cfg.quick), "gpus": cfg.gpus}
-    print(f"1/6 roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
+    took = results["section_s"] = {}          # each section's seconds: where a lesson's time goes
+
+    def section(n: int, key: str, title: str):
+        print(f"{n}/6 {title}")
+        took[key] = time.time()
+
+    def done(key: str):
+        took[key] = round(time.time() - took[key], 1)
+
+    section(1, "roofline", f"roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
     results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
-    print(f"2/6 interference measured on {where}")
+    done("roofline")
+    section(2, "interference", f"interference measured on {where}")
     results["interference"] = interference_section(cfg, model, hw, where, out)
-    print(f"3/6 the stall and chunked prefill, controlled, on {where}")
+    done("interference")
+    section(3, "chunking_controlled", f"the stall and chunked prefill, controlled, on {where}")
     results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
+    done("chunking_controlled")
     del model                               # the served workers load their own: free this one's device memory
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     runs = out / "runs"
-    print("4/6 chunked prefill end to end, and goodput against rate, served here")
+    section(4, "chunking", "chunked prefill end to end, and goodput against rate, served here")
     results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
-    print("5/6 goodput against rate at GPU scale, simulated")
+    done("chunking")
+    section(5, "goodput_vs_rate", "goodput against rate at GPU scale, simulated")
     results["goodput_vs_rate"] = {"measured": measured, "simulated": rate_curves_simulated(cfg, out, measured)}
-    print("6/6 the decision map, simulated")
+    done("goodput_vs_rate")
+    section(6, "decision", "the decision map, simulated")
     results["decision"] = decision_section(cfg, runs / "decision", out)
+    done("decision")
+    print("seconds by section: " + ", ".join(f"{k} {v:g}" for k, v in took.items()))
     results["elapsed_s"] = time.time() - started
     (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))
     (out / "lesson.md").write_text(lesson_text.render(_plain(results)))

@@ -231,7 +231,10 @@ def caveats(r: dict, n: int) -> str:
         lines += ["", f"Load: in {len(loaded)} of {len(runs)} served points, {loaded[0]} (each run's report.md "
                       "lists every point)."]
     lines.append("")
-    lines.append(f"This lesson took {num(r['elapsed_s'])} s" + (" in quick mode (reduced grids)." if r["quick"] else "."))
+    took = r.get("section_s") or {}
+    by = f" (by section: {', '.join(f'{k} {num(v)} s' for k, v in took.items())})" if took else ""
+    lines.append(f"This lesson took {num(r['elapsed_s'])} s" + (" in quick mode (reduced grids)" if r["quick"] else "")
+                 + by + ".")
     return "\n".join(lines)
 
 
