@@ -356,3 +356,16 @@ def test_the_answer_on_when_weighs_disaggregation_against_colocation_on_the_same
     ch["refs"]["disaggregated"] = ref(30.0, [25.0, 40.0], 170.0, [140.0, 300.0])
     assert "no significant difference" in _against_colocated(ch).split("; TTFT p50")[1]
     assert _against_colocated(None) == _against_colocated({"refs": {}}) == ""
+
+
+def test_the_answer_on_when_cites_the_controlled_stall_disaggregation_removes():
+    from experiments.lesson.when import _stall_against_colocated
+
+    st = {"refs": {"disaggregated": {"stall_ms": [5.0, 4.5, 6.0], "ttft_ms": [80.0, 70.0, 90.0]},
+                   "prefill_first": {"stall_ms": [80.0, 77.0, 84.0], "ttft_ms": [75.0, 72.0, 81.0]}}}
+    stall, ttft = _stall_against_colocated(st).split("; the prompt's TTFT")
+    assert "disaggregated 5.00 ms [4.50, 6.00]" in stall and "disaggregated is lower than colocated prefill_first" in stall
+    assert "no significant difference" in ttft
+    st["refs"]["disaggregated"]["stall_ms"] = [70.0, 60.0, 78.0]           # the intervals touch: no difference
+    assert "no significant difference" in _stall_against_colocated(st).split("; the prompt's TTFT")[0]
+    assert _stall_against_colocated(None) == _stall_against_colocated({"refs": {}}) == ""

@@ -39,7 +39,7 @@ def when(r: dict, n: int) -> str:
               "that both figures read, so the map and the strip agree on it.", ""]
     for slo_name, s in est["by_slo"].items():
         lines += [_map_paragraph(slo_name, s, est), ""]
-    lines.append(_answer(de, r.get("goodput_vs_rate"), r.get("chunking")))
+    lines.append(_answer(de, r.get("goodput_vs_rate"), r.get("chunking"), r.get("stall")))
     return "\n".join(lines)
 
 
@@ -129,7 +129,7 @@ def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
             f"{prompt}; {link}{_link_saving(est['crossover_prompt_len'], s.get('least_link_bw'))}.")
 
 
-def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None) -> str:
+def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None, stall: dict | None = None) -> str:
     by = de["simulated"]["by_slo"]
     counts = {k: sum(c["winner"] == "disaggregated" for c in s["grid"]) for k, s in by.items()}
     total = {k: len(s["grid"]) for k, s in by.items()}
@@ -148,8 +148,21 @@ def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None) -
     ties = [c for c in measured if c["winner"] == "tie"]
     here = (f" Measured here, disaggregation won {len(wins)} of {len(measured)} cells; {len(ties)} had no "
             "significant winner." if measured else " No decision cell was measured here in this run.")
-    served = _against_colocated(chunking) + _at_load(rates)
+    served = _stall_against_colocated(stall) + _against_colocated(chunking) + _at_load(rates)
     return f"**Answer.** In the simulation disaggregation wins {where}.{why_text}{here}{served}"
+
+
+def _stall_against_colocated(st: dict | None) -> str:
+    """The controlled experiment's measured case for disaggregating (section 3): the stall the running
+    decodes see and the prompt's TTFT, disaggregated against colocated prefill_first, from their intervals."""
+    refs = (st or {}).get("refs") or {}
+    if "disaggregated" not in refs or "prefill_first" not in refs:
+        return ""
+    pair = [("disaggregated", refs["disaggregated"]), ("colocated prefill_first", refs["prefill_first"])]
+    said = [compare.sentence(metric, [Estimate(k, m[key][0], tuple(m[key][1:])) for k, m in pair], " ms")
+            .removesuffix(".") for metric, key in (("the running decodes' stall", "stall_ms"),
+                                                    ("the prompt's TTFT", "ttft_ms"))]
+    return " Measured in the controlled experiment (section 3), " + "; ".join(said) + "."
 
 
 def _against_colocated(ch: dict | None) -> str:
