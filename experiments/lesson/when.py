@@ -153,7 +153,7 @@ def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None, s
 
 
 def _stall_against_colocated(st: dict | None) -> str:
-    """The controlled experiment's measured case for disaggregating (section 3): the stall the running
+    """The controlled experiment's measured case for disaggregating: the stall the running
     decodes see and the prompt's TTFT, disaggregated against colocated prefill_first, from their intervals."""
     refs = (st or {}).get("refs") or {}
     if "disaggregated" not in refs or "prefill_first" not in refs:
@@ -162,7 +162,7 @@ def _stall_against_colocated(st: dict | None) -> str:
     said = [compare.sentence(metric, [Estimate(k, m[key][0], tuple(m[key][1:])) for k, m in pair], " ms")
             .removesuffix(".") for metric, key in (("the running decodes' stall", "stall_ms"),
                                                     ("the prompt's TTFT", "ttft_ms"))]
-    return " Measured in the controlled experiment (section 3), " + "; ".join(said) + "."
+    return " Measured in the controlled experiment above, " + "; ".join(said) + "."
 
 
 def _against_colocated(ch: dict | None) -> str:
