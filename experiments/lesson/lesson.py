@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -329,36 +330,30 @@ def run(cfg: DictConfig, out: Path) -> dict:
                "quick": bool(cfg.quick), "gpus": cfg.gpus}
     took = results["section_s"] = {}          # each section's seconds: where a lesson's time goes
 
+    @contextmanager
     def section(n: int, key: str, title: str):
         print(f"{n}/6 {title}")
-        took[key] = time.time()
+        t = time.time()
+        yield
+        took[key] = round(time.time() - t, 1)
 
-    def done(key: str):
-        took[key] = round(time.time() - took[key], 1)
-
-    section(1, "roofline", f"roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}")
-    results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
-    done("roofline")
-    section(2, "interference", f"interference measured on {where}")
-    results["interference"] = interference_section(cfg, model, hw, where, out)
-    done("interference")
-    section(3, "chunking_controlled", f"the stall and chunked prefill, controlled, on {where}")
-    results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
-    done("chunking_controlled")
+    with section(1, "roofline", f"roofline of {cfg.roofline.model} and of {model.cfg.name} on {hw.name}"):
+        results["roofline"] = roofline_section(cfg, hw, model.cfg, model.embed_tokens.element_size(), out)
+    with section(2, "interference", f"interference measured on {where}"):
+        results["interference"] = interference_section(cfg, model, hw, where, out)
+    with section(3, "chunking_controlled", f"the stall and chunked prefill, controlled, on {where}"):
+        results["chunking_controlled"], results["stall"] = controlled_section(cfg, model, where, out)
     del model                               # the served workers load their own: free this one's device memory
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     runs = out / "runs"
-    section(4, "chunking", "chunked prefill end to end, and goodput against rate, served here")
-    results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
-    done("chunking")
-    section(5, "goodput_vs_rate", "goodput against rate at GPU scale, simulated")
-    results["goodput_vs_rate"] = {"measured": measured, "simulated": rate_curves_simulated(cfg, out, measured)}
-    done("goodput_vs_rate")
-    section(6, "decision", "the decision map, simulated")
-    results["decision"] = decision_section(cfg, runs / "decision", out)
-    done("decision")
+    with section(4, "chunking", "chunked prefill end to end, and goodput against rate, served here"):
+        results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
+    with section(5, "goodput_vs_rate", "goodput against rate at GPU scale, simulated"):
+        results["goodput_vs_rate"] = {"measured": measured, "simulated": rate_curves_simulated(cfg, out, measured)}
+    with section(6, "decision", "the decision map, simulated"):
+        results["decision"] = decision_section(cfg, runs / "decision", out)
     print("seconds by section: " + ", ".join(f"{k} {v:g}" for k, v in took.items()))
     results["elapsed_s"] = time.time() - started
     (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))

@@ -3,15 +3,9 @@ and on what changes on a GPU. Words only, as in text.py: every figure comes from
 comparison from experiments/serving/compare.py."""
 from __future__ import annotations
 
-from experiments.lesson.words import CI, find, num
+from experiments.lesson.words import CI, est, find, num
 from experiments.serving import compare
-from experiments.serving.compare import Estimate
 from experiments.serving.machine import load_warning
-
-
-def est(label: str, triple) -> Estimate:
-    med, lo, hi = triple
-    return Estimate(label, med, None if lo is None else (lo, hi))
 
 
 def _label(chunk) -> str:

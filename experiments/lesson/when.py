@@ -3,7 +3,7 @@ interval lies above every other's) and the simulated map (experiments/analysis/d
 planner's search in the simulator, with the costs each cell names). Words only, as in text.py."""
 from __future__ import annotations
 
-from experiments.lesson.words import CI, cell, name, num
+from experiments.lesson.words import CI, cell, est, name, num
 from experiments.serving import compare
 from experiments.serving.compare import Estimate
 
@@ -159,7 +159,7 @@ def _stall_against_colocated(st: dict | None) -> str:
     if "disaggregated" not in refs or "prefill_first" not in refs:
         return ""
     pair = [("disaggregated", refs["disaggregated"]), ("colocated prefill_first", refs["prefill_first"])]
-    said = [compare.sentence(metric, [Estimate(k, m[key][0], tuple(m[key][1:])) for k, m in pair], " ms")
+    said = [compare.sentence(metric, [est(k, m[key]) for k, m in pair], " ms")
             .removesuffix(".") for metric, key in (("the running decodes' stall", "stall_ms"),
                                                     ("the prompt's TTFT", "ttft_ms"))]
     return " Measured in the controlled experiment above, " + "; ".join(said) + "."

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from experiments.serving import compare
+from experiments.serving.compare import Estimate
 from experiments.serving.stats import LEVEL
 
 SHORT = {"colocated_prefill_first": "colocated prefill_first", "colocated_chunked": "colocated chunked",
@@ -9,6 +10,12 @@ SHORT = {"colocated_prefill_first": "colocated prefill_first", "colocated_chunke
          "colocated-chunked": "colocated chunked", None: "no mode (SLO infeasible)",
          "tie": "no significant difference"}
 CI = f"{LEVEL:.0%}"
+
+
+def est(label: str, triple) -> Estimate:
+    """An Estimate from a lesson.json [median, low, high] (low None: no interval)."""
+    med, lo, hi = triple
+    return Estimate(label, med, None if lo is None else (lo, hi))
 
 
 def num(x, unit: str = "") -> str:
