@@ -313,6 +313,9 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
         bp, bl = s["by_prompt"], s["by_link"]
         assert bp["winners"][bp["prompt_lens"].index(4096)] == bl["winners"][bl["link_bws"].index(5e10)]
     assert set(r["decision"]["simulated"]["by_slo"]) == {"loose", "tight"}
+    tight = r["decision"]["simulated"]["by_slo"]["tight"]["slo"]      # set from the map's own decode step
+    assert tight["tpot_ms"] == pytest.approx(tight["tpot_x_decode"] * tight["decode_ref_ms"], abs=0.01)
+    assert f"x the {tight['decode_ref']['batch']}-sequence decode step" in text
     assert [p["batch"] for p in r["interference"]["points"]] == [2, 2, 2]
     took = r["section_s"]                                  # where the lesson's time went, section by section
     assert list(took) == ["roofline", "interference", "chunking_controlled", "chunking", "goodput_vs_rate", "decision"]
@@ -320,6 +323,33 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
     assert f"decision {__import__('experiments.lesson.text', fromlist=['num']).num(took['decision'])} s" in text
     base = r["interference"]["points"][0]
     assert f"decode-only step took {__import__('experiments.lesson.text', fromlist=['num']).num(base['step_ms'])} ms" in text
+
+
+def test_slo_presets_set_from_the_hardware_follow_its_decode_step():
+    """A tpot_x_decode is that multiple of the decode-only step the costs price; a faster GPU gets a tighter TPOT."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.analysis.decision_sim import decode_step_ms, resolve_slos
+    from experiments.config import ConfigError
+    from experiments.run import CONF_DIR
+
+    ref = {"batch": 32, "context": 1024}
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        bases = {hw: compose("config", overrides=["compare=null", "model=llama-3-8b", f"hardware={hw}",
+                                                  "hardware.costs=roofline"]) for hw in ("a100", "h200")}
+    steps = {hw: decode_step_ms(b, 32, 1024) for hw, b in bases.items()}
+    assert steps["h200"] < steps["a100"]                  # more memory bandwidth, a faster decode step
+    assert decode_step_ms(bases["h200"], 32, 4096) > steps["h200"] > decode_step_ms(bases["h200"], 1, 1024)
+    for hw, base in bases.items():
+        out = resolve_slos(base, {"loose": {"ttft_ms": 1000.0, "tpot_ms": 50.0},
+                                  "tight": {"ttft_ms": 1000.0, "tpot_x_decode": 1.25}}, ref)
+        assert out["loose"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0}
+        assert out["tight"]["tpot_ms"] == pytest.approx(1.25 * steps[hw], abs=0.01)
+        assert out["tight"]["decode_ref"] == ref and out["tight"]["decode_ref_ms"] == steps[hw]
+    for bad, why in (({"ttft_ms": 1.0}, "neither"), ({"ttft_ms": 1.0, "tpot_ms": 9.0, "tpot_x_decode": 2}, "both"),
+                     ({"ttft_ms": 1.0, "tpot_x_decode": 0.5}, "must be >= 1")):
+        with pytest.raises(ConfigError, match=f"slos.odd.*{why}"):
+            resolve_slos(bases["h200"], {"odd": bad}, ref)
 
 
 def test_the_answer_on_when_states_the_served_attainment_at_load_from_its_intervals():

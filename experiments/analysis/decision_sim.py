@@ -17,10 +17,42 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis.decision import MODES, ModeEstimate, best
 from experiments.analysis.plan import plan
+from experiments.config import ConfigError, apply_layout, parse
+from experiments.sim.backend import costs_for
+from experiments.sim.stepmodel import chunk_features
 from experiments.progress import Progress
 
 STREAMS = ("off", "layer")        # compared over links: the KV after the prefill, or layer by layer
 MODE_OF = {"colocated-prefill_first": MODES[0], "colocated-chunked": MODES[1]}
+
+
+def decode_step_ms(base: DictConfig, batch: int, context: int) -> float:
+    """A decode-only step of `batch` sequences at `context` tokens each, with its host gap, as the
+    hardware's costs price it (the step the SLO presets are set from)."""
+    costs = costs_for(parse(apply_layout(base, "colocated-chunked")))
+    return 1e3 * (costs.step.time(chunk_features(batch, batch * context, [])) + costs.step.gap(batch))
+
+
+def resolve_slos(base: DictConfig, slos: dict, decode_ref: dict) -> dict:
+    """SLOs in milliseconds: a `tpot_x_decode` is that multiple of the decode-only step of
+    decode_ref's batch at its context (decode_step_ms), so a preset follows what the hardware can
+    reach; `tpot_ms` is taken as given. Each resolved SLO keeps how its TPOT was set."""
+    out, ref_ms = {}, None
+    for name, slo in slos.items():
+        slo = dict(slo)
+        if ("tpot_ms" in slo) == ("tpot_x_decode" in slo):
+            raise ConfigError(f"decision.simulated.slos.{name}: give one of tpot_ms or tpot_x_decode, not "
+                              f"{'both' if 'tpot_ms' in slo else 'neither'}")
+        if "tpot_x_decode" in slo:
+            if not slo["tpot_x_decode"] >= 1:
+                raise ConfigError(f"decision.simulated.slos.{name}.tpot_x_decode={slo['tpot_x_decode']}: must be "
+                                  ">= 1 (a TPOT below the decode step it is set from cannot be met)")
+            if ref_ms is None:
+                ref_ms = decode_step_ms(base, int(decode_ref["batch"]), int(decode_ref["context"]))
+            slo |= {"tpot_ms": round(slo["tpot_x_decode"] * ref_ms, 2), "decode_ref_ms": ref_ms,
+                    "decode_ref": {"batch": int(decode_ref["batch"]), "context": int(decode_ref["context"])}}
+        out[name] = slo
+    return out
 
 
 def cell_config(base: DictConfig, prompt_len: int, output_len: int, slo: dict, link_bw: float,

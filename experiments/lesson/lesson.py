@@ -253,7 +253,7 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                                         f"seed={cfg.seed}"])
     started = time.time()
     simulated = decision_sim.simulated_map(
-        base, e.gpus, list(e.prompt_lens), list(e.output_lens), {k: dict(v) for k, v in e.slos.items() if v}, e.link_bw,
+        base, e.gpus, list(e.prompt_lens), list(e.output_lens), _sim_slos(e, base), e.link_bw,
         list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
         e.steps, e.stream)
     cells = [c for s in simulated.values() for c in s["grid"]]
@@ -271,12 +271,18 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
 
 
+def _sim_slos(e: DictConfig, base: DictConfig) -> dict:
+    """decision.simulated's SLOs in ms, a tpot_x_decode priced on the map's hardware (decision_sim.resolve_slos)."""
+    return decision_sim.resolve_slos(base, {k: OmegaConf.to_container(v) for k, v in e.slos.items() if v},
+                                     OmegaConf.to_container(e.decode_ref))
+
+
 def rate_curves_simulated(cfg: DictConfig, out: Path, measured: dict | None) -> dict:
     """Goodput against rate at GPU scale (experiments/lesson/rates.py), on the decision map's GPUs and link."""
     e, g = cfg.decision.simulated, cfg.goodput_vs_rate.simulated
     base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
                                         f"seed={cfg.seed}"])
-    slos = {k: dict(v) for k, v in e.slos.items() if v}
+    slos = _sim_slos(e, base)
     if g.slo not in slos:
         raise ValueError(f"goodput_vs_rate.simulated.slo={g.slo!r}: choose one of decision.simulated.slos "
                          f"({', '.join(slos)})")

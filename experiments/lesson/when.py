@@ -125,8 +125,17 @@ def _map_paragraph(slo_name: str, s: dict, est: dict) -> str:
         link = (f"at {est['crossover_prompt_len']}-token prompts disaggregation wins at no link bandwidth from "
                 f"{num(bl['link_bws'][0] / 1e9)} to {num(bl['link_bws'][-1] / 1e9)} GB/s")
     slo = s["slo"]
-    return (f"- **{slo_name} SLO** (TTFT {num(slo['ttft_ms'])} ms, TPOT {num(slo['tpot_ms'])} ms): {share}; "
+    return (f"- **{slo_name} SLO** (TTFT {num(slo['ttft_ms'])} ms, TPOT {num(slo['tpot_ms'])} ms{_tpot_from(slo)}): {share}; "
             f"{prompt}; {link}{_link_saving(est['crossover_prompt_len'], s.get('least_link_bw'))}.")
+
+
+def _tpot_from(slo: dict) -> str:
+    """How a TPOT preset was set from the hardware (decision_sim.resolve_slos), or nothing where it was given."""
+    if "tpot_x_decode" not in slo:
+        return ""
+    ref = slo["decode_ref"]
+    return (f", {num(slo['tpot_x_decode'])}x the {ref['batch']}-sequence decode step at {ref['context']} tokens "
+            f"of {num(slo['decode_ref_ms'])} ms")
 
 
 def _answer(de: dict, rates: dict | None = None, chunking: dict | None = None, stall: dict | None = None) -> str:
