@@ -9,7 +9,9 @@ of O(n) and 1,000 simulated GPUs are not 1,000 steps per request.
 
 The same worker, tie for tie: a policy's `choose` is min(loads, key=policy.key), the first worker
 with the least key, and the heap's least (key, position) is that worker. Entries are updated by
-each WorkerLoad telling the index when a field changes (policies.WorkerLoad.__setattr__); an entry
+each WorkerLoad telling the index when a field changes (policies.WorkerLoad.__setattr__: the worker
+is marked, and the marked workers' entries are brought up to date at the next pick, as a load changes
+on every token and is read once a request); an entry
 whose key is no longer its worker's is dropped when it reaches the top, and the heap is rebuilt
 when it holds over twice its members. Whether a worker belongs to a group is checked when it
 reaches the top: a worker only ever leaves a group (a dead worker is not revived, a decode worker
@@ -85,12 +87,16 @@ class LoadIndex:
         position = {id(load): i for i, load in enumerate(self._loads)}
         if len(position) != len(self._loads):
             raise ValueError("each worker needs a WorkerLoad of its own")
+        self._dirty: set[int] = set()                  # workers whose loads changed since the last pick
+        mark = self._dirty.add
         for i, load in enumerate(self._loads):
-            object.__setattr__(load, "_watch", lambda _load, i=i: self._changed(i))
+            object.__setattr__(load, "_watch", lambda _load, i=i: mark(i))
 
-    def _changed(self, i: int) -> None:
-        for r in self._of[i]:
-            r.changed(i)
+    def _update(self) -> None:
+        for i in self._dirty:
+            for r in self._of[i]:
+                r.changed(i)
+        self._dirty.clear()
 
     def has(self, group: str) -> bool:
         members, ok, j = self._members[group], GROUPS[group], self._first[group]
@@ -106,6 +112,7 @@ class LoadIndex:
             ok = GROUPS[group]
             live = [self.workers[i] for i in self._members[group] if ok(self.workers[i])]
             return pick(policy, self.loads, live, prompt_len) if live else None
+        self._update()
         ranked = self._ranked.get((group, key))
         if ranked is None:
             ranked = _Ranked(self._members[group], self.workers, self._loads, key, GROUPS[group])

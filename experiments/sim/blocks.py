@@ -53,6 +53,11 @@ class LazyBlockManager(BlockManager):
         self.ref_counts: list[int] = []        # blocks 0 .. fresh - 1
         self._free = _FreeList(self, num_blocks)
 
+    def can_allocate(self, block_ids: list[int], num_tokens: int) -> bool:
+        """BlockManager.can_allocate in one expression: the scheduler asks it for every request every step."""
+        free = self._free
+        return -(-num_tokens // self.block_size) - len(block_ids) <= free.num_blocks - free.fresh + len(free.returned)
+
     def check(self) -> None:
         """BlockManager.check's invariant, never-used blocks counted as free."""
         free = list(self._free)

@@ -55,6 +55,10 @@ class SimRequest(Request):
         return self.num_out
 
     @property
+    def is_prefill(self) -> bool:                  # Request.is_prefill over the counters, read every step
+        return self.prompt_len + self.num_out - self.num_computed_tokens > 1
+
+    @property
     def output_ids(self) -> list[int]:
         return []
 
