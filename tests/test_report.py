@@ -305,3 +305,15 @@ def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path,
     assert "every timeline has the same y-scale" in md
     assert "A mixed step of fast took 3.00x [" in md       # the repeats' step ratios: 2, 3 and 4
     assert "| 2.00-3.00 / 5.00 |" in md and "| n/a |" in md     # the speed probe's range; slow had none
+
+
+def test_a_large_clusters_timeline_keeps_rows_of_every_role():
+    from experiments.report.plots import MAX_TIMELINE_ROWS, timeline_rows
+
+    small = ["decode:0", "prefill:0"]
+    assert timeline_rows(small) == small
+    names = sorted([f"prefill:{i}" for i in range(32)] + [f"decode:{i}" for i in range(32)])
+    rows = timeline_rows(names)
+    assert len(rows) == MAX_TIMELINE_ROWS == len(set(rows))
+    assert rows[0] == names[0] and rows[-1] == names[-1]
+    assert {r.split(":")[0] for r in rows} == {"decode", "prefill"}

@@ -6,6 +6,8 @@ experiments/report/sections.py does and hands over records.
 """
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import matplotlib
@@ -195,16 +197,31 @@ def ttft_breakdown(path: Path, rows: list[dict]) -> Path:
     return _save(fig, path)
 
 
+MAX_TIMELINE_ROWS = 8
+
+
+def timeline_rows(workers: list[str], limit: int = MAX_TIMELINE_ROWS) -> list[str]:
+    """The workers a timeline draws: all of them up to `limit`, else `limit` evenly spaced through the
+    names in order (so every role of a large cluster keeps rows; 64 rows of steps are not readable)."""
+    if len(workers) <= limit:
+        return list(workers)
+    return [workers[round(i * (len(workers) - 1) / (limit - 1))] for i in range(limit)]
+
+
 def timeline(path: Path, label: str, steps: list[dict], ymax_ms: float, max_prefill: int) -> Path:
-    """One row per worker: each engine step's duration at its start time. Marker = step kind; colour and
-    size = the step's prefill tokens, on the same scale (and y-scale) for every point of the report."""
-    workers = sorted({str(s.get("worker")) for s in steps})
+    """One row per worker (at most MAX_TIMELINE_ROWS, timeline_rows): each engine step's duration at its
+    start time. Marker = step kind; colour and size = the step's prefill tokens, on the same scale (and
+    y-scale) for every point of the report."""
+    every = sorted({str(s.get("worker")) for s in steps}, key=lambda n: [int(t) if t.isdigit() else t
+                                                                       for t in re.split(r"(\d+)", n)])
+    workers = timeline_rows(every)
     fig, axes = plt.subplots(len(workers), 1, figsize=(11, 1.6 + 2.1 * len(workers)), sharex=True, squeeze=False)
     norm = Normalize(0, max(max_prefill, 1))
     cmap = plt.cm.viridis
     by_worker: dict[str, list] = {}
+    drawn = set(workers)
     for s in steps:
-        if step_ms(s) is not None:
+        if str(s.get("worker")) in drawn and step_ms(s) is not None:
             by_worker.setdefault(str(s.get("worker")), []).append(s)
     for ax, worker in zip(axes[:, 0], workers):
         mine = by_worker.get(worker, [])
@@ -221,7 +238,8 @@ def timeline(path: Path, label: str, steps: list[dict], ymax_ms: float, max_pref
     axes[-1, 0].set_xlabel("step start (s since the point's start)")
     handles = [Line2D([], [], ls="", marker=m, color="gray", label=KIND_NAMES[k]) for k, m in MARKERS.items()]
     fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=3, bbox_to_anchor=(0.99, 0.995))
-    fig.suptitle(f"Engine steps: {label}", x=0.01, ha="left", fontsize=10)
+    shown = "" if len(workers) == len(every) else f" ({len(workers)} of {len(every)} workers, evenly spaced)"
+    fig.suptitle(f"Engine steps: {label}{shown}", x=0.01, ha="left", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.9, 0.96))
     bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01)
     bar.set_label("prefill tokens in the step")
