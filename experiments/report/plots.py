@@ -6,8 +6,6 @@ experiments/report/sections.py does and hands over records.
 """
 from __future__ import annotations
 
-import re
-
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +16,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from experiments.report.points import natural  # noqa: E402
 from experiments.serving.steps import num, step_kind, step_ms  # noqa: E402
 
 MARKERS = {"decode": "o", "mixed": "D", "prefill": "s"}
@@ -212,19 +211,16 @@ def timeline(path: Path, label: str, steps: list[dict], ymax_ms: float, max_pref
     """One row per worker (at most MAX_TIMELINE_ROWS, timeline_rows): each engine step's duration at its
     start time. Marker = step kind; colour and size = the step's prefill tokens, on the same scale (and
     y-scale) for every point of the report."""
-    every = sorted({str(s.get("worker")) for s in steps}, key=lambda n: [int(t) if t.isdigit() else t
-                                                                       for t in re.split(r"(\d+)", n)])
+    by_worker: dict[str, list] = {}
+    for s in steps:
+        by_worker.setdefault(str(s.get("worker")), []).append(s)
+    every = sorted(by_worker, key=natural)
     workers = timeline_rows(every)
     fig, axes = plt.subplots(len(workers), 1, figsize=(11, 1.6 + 2.1 * len(workers)), sharex=True, squeeze=False)
     norm = Normalize(0, max(max_prefill, 1))
     cmap = plt.cm.viridis
-    by_worker: dict[str, list] = {}
-    drawn = set(workers)
-    for s in steps:
-        if str(s.get("worker")) in drawn and step_ms(s) is not None:
-            by_worker.setdefault(str(s.get("worker")), []).append(s)
     for ax, worker in zip(axes[:, 0], workers):
-        mine = by_worker.get(worker, [])
+        mine = [s for s in by_worker[worker] if step_ms(s) is not None]
         for kind, marker in MARKERS.items():
             sel = [s for s in mine if step_kind(s) == kind]
             tokens = np.array([s.get("num_prefill_tokens") or 0 for s in sel], dtype=float)
