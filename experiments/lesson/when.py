@@ -229,6 +229,19 @@ def _breakdown(b: dict | None, where: str) -> str:
             f"**{PART_NAMES[b['grew_most']]}**.")
 
 
+def most_load(curves: list[dict]) -> str:
+    """Which modes carry the most load within the target: every mode tied at the highest rate met is
+    named (on a grid of rates, modes that meet the same rate are not told apart)."""
+    top = max((c["last_met"] or 0.0) for c in curves)
+    if not top:
+        return "No mode meets the target at any rate tried."
+    tied = [c["name"] for c in curves if (c["last_met"] or 0.0) == top]
+    if len(tied) == len(curves):
+        return (f"Every mode meets the target up to {num(top)} requests/s per GPU: on these rates no mode "
+                "carries more load than another.")
+    return f"The most load within the target on these GPUs: {' and '.join(tied)}, up to {num(top)} requests/s per GPU."
+
+
 def rate_lines(r: dict) -> list[str]:
     """Goodput against rate (measured here and simulated at GPU scale) and the breakdown of a request's time."""
     g = r.get("goodput_vs_rate")
@@ -242,9 +255,7 @@ def rate_lines(r: dict) -> list[str]:
         f"{num(sim['slo']['ttft_ms'])} ms, TPOT {num(sim['slo']['tpot_ms'])} ms), target {sim['target']:.0%} of requests "
         f"within both, a rate met only if the cluster also kept up ({sim['num_sims']} simulations): "
         + "; ".join(_knee(c, " requests/s per GPU") for c in sim["curves"]) + ".")
-    best = max(sim["curves"], key=lambda c: (c["last_met"] or 0.0))
-    lines += ["", f"The most load within the target on these GPUs: {best['name']}"
-              + (f", up to {num(best['last_met'])} requests/s per GPU." if best["last_met"] else ": none.")]
+    lines += ["", most_load(sim["curves"])]
     if meas and meas["curves"]:
         def at(c):
             return ", ".join(
