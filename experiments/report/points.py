@@ -46,8 +46,8 @@ class Point:
 
     @cached_property
     def requests(self) -> list[dict]:
-        """Every repeat's requests, pooled (each row with `repeat`, its directory's name)."""
-        return [row | {"repeat": d.name} for d in self.repeats for row in read_requests(d)]
+        """Every repeat's requests, pooled."""
+        return [row for d in self.repeats for row in read_requests(d)]
 
     @cached_property
     def steps(self) -> list[dict]:
@@ -57,10 +57,11 @@ class Point:
 
     @cached_property
     def all_steps(self) -> list[dict]:
-        """Every repeat's steps, pooled; workers named per repeat ("rep1/colocated:0") so runs stay apart."""
-        many = len(self.repeats) > 1
-        return [s | {"worker": f"{d.name}/{s.get('worker')}" if many else s.get("worker")}
-                for d in self.repeats for s in read_steps(d, STEPS_SHOWN)]
+        """Every repeat's steps, pooled (a worker's steps of every repeat together); of a large
+        simulation's steps.npz, the first STEPS_SHOWN steps of each repeat."""
+        if len(self.repeats) == 1:
+            return self.steps
+        return [s for d in self.repeats for s in read_steps(d, STEPS_SHOWN)]
 
     @cached_property
     def steps_note(self) -> str | None:

@@ -152,7 +152,7 @@ def interference(r: Report, ok: list[Point]) -> None:
         r.figure(plots.timeline, f"timeline_{name}.png", f"{p.label} ({p.repeats[0].name})", p.steps, ymax,
                  max_prefill, caption=f"steps of {p.label}")
     rows = [{"label": p.label} | s for p in with_steps
-            for s in step_stats([q | {"worker": str(q.get("worker")).split("/")[-1]} for q in p.all_steps])]
+            for s in step_stats(p.all_steps)]
     r.csv("steps_summary.csv", rows)
     r.md += ["Per worker, all repeats pooled. Decode-only steps have no prefill tokens; mixed steps carry prefill "
              "tokens and decode sequences; prefill-only steps have no decode sequence. ratio = mixed p50 / "

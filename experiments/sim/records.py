@@ -85,20 +85,21 @@ class Gaps:
         if len(ends) > 1 and len(owners):
             self.runs.append((owners, np.diff(ends), np.diff(at)))
 
-    def pooled(self, ok: np.ndarray, which: str = "made") -> tuple[np.ndarray, np.ndarray]:
-        """(gaps, weights) of the requests where `ok` (a bool per owner) holds."""
-        k = 1 if which == "made" else 2
-        owner = np.asarray(self.owner, dtype=np.int64)
-        one = np.asarray(self.made if k == 1 else self.got, dtype=np.float64)[ok[owner]]
+    def pooled(self, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(made gaps, got gaps, weights) of the requests where `ok` (a bool per owner) holds: each
+        one-by-one gap of such a request once, each run gap as often as the run advanced such requests."""
+        mine = ok[np.asarray(self.owner, dtype=np.int64)]
+        made = np.asarray(self.made, dtype=np.float64)[mine]
+        got = np.asarray(self.got, dtype=np.float64)[mine]
         if not self.runs:
-            return one, np.ones(len(one))
+            return made, got, np.ones(len(made))
         sizes = np.array([len(r[0]) for r in self.runs])
         owners = np.concatenate([r[0] for r in self.runs])
         w = np.bincount(np.repeat(np.arange(len(self.runs)), sizes), weights=ok[owners], minlength=len(self.runs))
-        gaps = [r[k] for r in self.runs]
-        lens = np.array([len(g) for g in gaps])
-        return (np.concatenate([one] + gaps),
-                np.concatenate([np.ones(len(one)), np.repeat(w, lens)]))
+        lens = np.array([len(r[1]) for r in self.runs])
+        weights = np.concatenate([np.ones(len(made)), np.repeat(w, lens)])
+        return (np.concatenate([made] + [r[1] for r in self.runs]),
+                np.concatenate([got] + [r[2] for r in self.runs]), weights)
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:

@@ -170,7 +170,7 @@ class WorkerSteps:
             att = req.attempt
             if att is None or not att.live:
                 continue
-            rec = att.rec
+            rec = att.record
             advanced.append(rec.index)
             if keep:
                 rec.add_times(ends, at, m)

@@ -146,9 +146,9 @@ def read_table(path: Path, max_rows: int | None = None) -> list[dict]:
     conv = {}
     for k, a in cols.items():
         if a.dtype.kind == "f":
-            conv[k] = [None if x != x else x for x in a.tolist()]
+            conv[k] = [None if x != x else x for x in a.tolist()] if np.isnan(a).any() else a.tolist()
         elif a.dtype.kind == "U":
-            conv[k] = [x or None for x in a.tolist()] if k not in ("worker",) else a.tolist()
+            conv[k] = [x or None for x in a.tolist()] if k != "worker" and (a == "").any() else a.tolist()
         else:
             conv[k] = a.tolist()
     keys = list(conv)
@@ -200,8 +200,8 @@ def summarize_sim(sim, cols: dict[str, np.ndarray], slo_ttft_ms: float, slo_tpot
     by_index = np.zeros(n, dtype=bool)
     by_index[[r.index for r in sim.records.values() if r.status == "ok"]] = True
     if sim.gaps is not None:
-        itl = weighted_percentiles(*sim.gaps.pooled(by_index, "made"))
-        client_itl = weighted_percentiles(*sim.gaps.pooled(by_index, "got"))
+        made, got, weights = sim.gaps.pooled(by_index)
+        itl, client_itl = weighted_percentiles(made, weights), weighted_percentiles(got, weights)
     else:
         itl = client_itl = percentiles([])
     itl = {k: None if v is None else 1e3 * v for k, v in itl.items()}
