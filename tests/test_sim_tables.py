@@ -90,3 +90,13 @@ def test_the_bench_simulates_and_writes_a_run_and_knows_its_targets(tmp_path, ca
     assert {t[0] for t in TARGETS} == {"run-100k-64", "bench-1m-1000", "plan-1000"}
     with pytest.raises(SystemExit, match="choose from"):
         main(["--targets", "nope"])
+
+
+def test_a_target_runs_in_an_emptied_directory_so_it_never_resumes_an_earlier_run(tmp_path):
+    from experiments.sim.bench import run_target
+
+    stale = tmp_path / "t" / "rep0"
+    stale.mkdir(parents=True)
+    (stale / "metrics.json").write_text("{}")
+    r = run_target("t", ["-c", "import os; print(sorted(os.listdir('.')))"], tmp_path)
+    assert r["rc"] == 0 and not (tmp_path / "t").exists()

@@ -53,10 +53,13 @@ print(json.dumps({"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "cp
 
 def run_target(name: str, args: list[str], out: Path) -> dict:
     """One target's command, timed by a child of its own (so getrusage's peak memory is that command's
-    alone): wall time, CPU time and peak resident memory."""
+    alone): wall time, CPU time and peak resident memory. Its run directory is emptied first: a run
+    finds the repeats an earlier one left there and skips them (a resumed run)."""
+    import shutil
     import subprocess
     import sys
 
+    shutil.rmtree(out / name, ignore_errors=True)
     extra = [f"hydra.run.dir={out / name}"] if args[1] in ("experiments.run", "experiments.plan") else []
     proc = subprocess.run([sys.executable, "-c", _MEASURE, sys.executable, *args, *extra], capture_output=True,
                           text=True)
