@@ -52,6 +52,19 @@ def test_export_import_continues_identically(tiny, src_block, dst_block):
     assert decode.blocks.num_used == 0
 
 
+def test_a_shorter_engine_on_the_same_model_leaves_a_longer_one_its_positions(tiny):
+    """Engines sharing one model (a prefill engine beside a decode engine in one process): creating one
+    with a short max_model_len must not cut the rotary tables of one made before it for longer requests."""
+    prompts = random_prompts(2, tiny.cfg.vocab_size, [40, 9], seed=3)
+    expected = run_colocated(tiny, prompts, 30, max_model_len=96)
+    long = Engine(tiny, EngineConfig(num_kv_blocks=256, max_model_len=96))
+    Engine(tiny, EngineConfig(role="prefill", num_kv_blocks=16, max_model_len=24))
+    reqs = [long.add_request(f"r{i}", p, greedy(30)) for i, p in enumerate(prompts)]
+    events = long.run()
+    assert not [e for e in events if type(e).__name__ == "RequestFailed"]
+    assert [r.output_ids for r in reqs] == expected
+
+
 def test_import_rejects_mismatched_kv(tiny):
     prefill = Engine(tiny, EngineConfig(role="prefill", num_kv_blocks=16))
     prefill.add_request("a", [1, 2, 3, 4], greedy(4))

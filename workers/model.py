@@ -133,7 +133,12 @@ class Llama(nn.Module):
         self.rotary: Rotary | None = None
 
     def set_max_len(self, max_len: int, device: torch.device) -> None:
-        self.rotary = Rotary(self.cfg, max_len, device)
+        """Rotary tables for positions below max_len. Engines may share one model (a prefill engine beside
+        a decode engine in one process): tables that already cover max_len on `device` are kept, so an
+        engine made later with a shorter max_model_len never cuts the positions of a longer one."""
+        r = self.rotary
+        if r is None or r.cos.shape[0] < max_len or r.cos.device != torch.device(device):
+            self.rotary = Rotary(self.cfg, max_len, device)
 
     def forward(self, input_ids, kv_cache: torch.Tensor, meta: AttentionMetadata, backend,
                 after_layer=None, ops=TORCH_OPS) -> torch.Tensor:
