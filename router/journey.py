@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 MAX_CRASHES = 2      # a request on this many workers that died on their own is not retried again
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class JourneyRecord:
     """What a request's journey writes into its record: how it ended, its attempts, where it ran, and the
     durations of its last attempt. The router's RequestRecord and the simulator's Record are this with
@@ -59,7 +59,7 @@ class JourneyRecord:
         self.status, self.reason, self.end_time = "failed", reason, end_time
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Journey:
     """One attempt of a request: on which workers, and what has been seen of it."""
 

@@ -99,7 +99,7 @@ def check_sampling(p: SamplingParams) -> None:
         raise ValueError(f"ignore_eos={p.ignore_eos!r} must be true or false")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     id: str
     prompt_ids: list[int]

@@ -18,7 +18,7 @@ from workers.config import EngineConfig
 from workers.request import Request, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     num_tokens: int            # computed this step, starting at request.num_computed_tokens
@@ -29,7 +29,7 @@ class ScheduledChunk:
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)    # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)   # prompt chunks

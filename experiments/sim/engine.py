@@ -33,7 +33,7 @@ from experiments.sim.stepmodel import features
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimRequest(Request):
     """A Request whose prompt and outputs are counts: `num_tokens` = prompt_len + num_out."""
 
@@ -73,7 +73,7 @@ def _blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_siz
     return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
 
 
-@dataclass
+@dataclass(slots=True)
 class StepDone:
     """What one step did: tokens made (request, finish reason or None), requests preempted."""
 
@@ -81,7 +81,7 @@ class StepDone:
     preempted: list
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRun:
     """k decode-only steps of the same requests, advanced in one event."""
 

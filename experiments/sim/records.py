@@ -23,7 +23,7 @@ from experiments.serving.metrics import request_fields
 from router.journey import Journey, JourneyRecord
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Record(JourneyRecord):
     id: str
     prompt_len: int
@@ -127,7 +127,7 @@ def _joined(times: list) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Attempt(Journey):
     """router/journey.py's Journey (phases, loads, failure rules: the router's own), with what the
     simulator adds: the requests on its workers and its KV transfer in flight. Its workers are SimWorkers."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from experiments.sim.engine import DecodeRun, SimEngine
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Handle:
     """What router/placement.py and router/policies.py read of a worker."""
 
@@ -34,7 +34,7 @@ class Handle:
         return f"{self.role}:{self.index}"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimWorker:
     handle: Handle
     engine: SimEngine
