@@ -97,20 +97,6 @@ class LazyBlockManager(BlockManager):
 
     def grow(self, tables: list[list[int]], targets: list[int]) -> None:
         """allocate(table, target) for each pair, in order, all at once: the simulator's decode runs grow
-        hundreds of thousands of tables by a block or two; the caller has checked the blocks are free.
-        A table one block short takes it here (allocate's first block, inline); the rest go through allocate."""
-        bs, free, refs = self.block_size, self._free, self.ref_counts
-        returned = free.returned
+        hundreds of thousands of tables by a block or two; the caller has checked the blocks are free."""
         for ids, n in zip(tables, targets):
-            need = -(-n // bs) - len(ids)
-            if need != 1:
-                self.allocate(ids, n)
-            elif free.fresh < free.num_blocks:
-                ids.append(free.fresh)
-                refs.append(1)
-                free.fresh += 1
-            else:
-                block = returned.popleft()
-                assert refs[block] == 0, f"free block {block} has references"
-                refs[block] = 1
-                ids.append(block)
+            self.allocate(ids, n)
