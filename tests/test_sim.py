@@ -3,6 +3,7 @@
 Hand-worked cases use a linear step model whose numbers make every step time exact in the test's head:
 a step costs 1 ms plus 0.01 ms per prompt token plus 0.1 ms per decode (unless a case says otherwise).
 """
+import numpy as np
 import pytest
 
 from experiments.sim.costs import Costs
@@ -191,6 +192,47 @@ def test_killed_worker_requests_are_retried_with_their_streamed_tokens():
     assert all(r.status == "ok" and r.num_out == 40 for r in recs)
     moved = [r for r in recs if r.attempts == 2]
     assert moved and all(r.decode_worker == "colocated:1" and r.injected_fault for r in moved)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_decode_batch_keeps_the_records_and_blocks_of_step_by_step_serving(keep):
+    """A decode worker's batch is advanced run by run and its records brought up to date only when read:
+    requests joining it, finishing, timing out in the middle of it (dropped, then aborted) and taking
+    new blocks give the records, token times, pooled gaps, blocks and router loads of scheduling every step."""
+    from router.config import RouterConfig
+
+    cfg = dict(roles=["prefill", "decode"], engines={"prefill": EngineConfig(policy="prefill_first", token_budget=4096),
+                                                      "decode": EngineConfig(policy="chunked", token_budget=64)},
+               num_blocks={"prefill": 200, "decode": 60}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096,
+               router=RouterConfig(request_timeout_s=0.05), keep_tokens=keep, pool_gaps=not keep)
+    arrivals = [Arrival(f"r{i}", 0.002 * i, 20 + 9 * i, 12 + 11 * (i % 4)) for i in range(12)]
+    seen = []
+    for ff in (True, False):
+        sim = Simulator(SimConfig(**cfg, fast_forward=ff), costs())
+        recs = sim.run(arrivals)
+        runs = sum(1 for w in sim.workers for e in w.log if isinstance(e, dict))
+        assert (runs > 0) == ff
+        decode = sim.workers[1].engine.blocks
+        decode.check()
+        assert decode.num_used == 0
+        assert all((l.prompt_tokens, l.running, l.kv_tokens) == (0, 0, 0) for l in sim.loads.values()), \
+            "the router's loads return to zero"
+        row = [tuple(round(v, 9) if isinstance(v, float) else v for v in
+                     (r.status, r.reason, r.num_out, r.first_time, r.last_time, r.client_first, r.client_last,
+                      r.decode_s, r.handoff_s)) for r in recs]
+        if keep:
+            row.append([ms(r.token_times()) + ms(r.client_times()) for r in recs])
+        else:
+            ok = np.array([r.status == "ok" for r in recs])
+            made, got, weights = sim.gaps.pooled(ok)
+            times = weights.astype(int)                          # the gaps of completed requests, each once
+            row.append(sorted(zip(np.repeat(np.round(made, 9), times).tolist(), np.repeat(np.round(got, 9), times).tolist())))
+        row.append([{k: round(v, 9) if isinstance(v, float) else v for k, v in s.items()}
+                    for s in step_rows("decode", sim.workers[1].log)])
+        seen.append(row)
+    assert seen[0] == seen[1]
+    statuses = [r[0] for r in seen[0][:12]]
+    assert "ok" in statuses and "failed" in statuses, "some finish, some time out while decoding"
 
 
 def test_lost_transfer_is_retried_after_the_timeout():

@@ -16,6 +16,11 @@ request gains one token per step, the first to finish ends the run. `start_run` 
 steps' times in one numpy call; `apply_run` advances every request by the m <= k steps that ran (a run
 is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
 is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
+
+Between runs the decodes' counters live in a `Batch` (arrays over the first n running requests), so
+a run costs a few array operations plus what changed: a request joining, finishing or taking a block.
+They are written back to the requests (`settle`) before anything else reads them: the scheduler's
+next step, an abort, the end of the simulation.
 """
 from __future__ import annotations
 
@@ -85,17 +90,59 @@ class StepDone:
 class DecodeRun:
     """k decode-only steps of the same requests, advanced in one event."""
 
-    reqs: list                 # the running decodes, scheduler order
+    b: int                     # the running decodes: the first b of the scheduler's running list
     starts: np.ndarray         # [k] step start times
     ends: np.ndarray           # [k] step end times
     computed: np.ndarray       # [b] num_computed_tokens of each request at the run's start
     blocks0: np.ndarray        # [b] blocks each held at the start
     used0: int                 # blocks in use at the start
-    finishing: int             # steps until the first request finishes (the run's full length)
+    finishing: int             # steps until the first request finishes (the run's length, or more
+                               # when the free blocks cut it shorter)
+    joined: int                # requests in no earlier run of this batch: the last `joined` of the b
 
     @property
     def k(self) -> int:
         return len(self.ends)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class Batch:
+    """The counters of the running decodes between runs, for the first n of the scheduler's running list
+    in its order (requests join at its end; `settle` writes them back): tokens computed, KV blocks held,
+    outputs made and asked for."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.n = 0
+        self.computed = self.held = self.out = self.max_tokens = _NONE
+        self.joined = 0                        # the last `joined` members have run in no decode run yet
+        self.min_left = 1 << 62                # the fewest tokens a member has left (None: not known)
+
+    def join(self, computed: list, held: list, out: list, max_tokens: list, min_left: int) -> None:
+        """Requests appended to the scheduler's running list become members, in that order: their
+        tokens computed, blocks held, outputs made and asked for (the fewest left: min_left)."""
+        if self.min_left is not None:
+            self.min_left = min(self.min_left, min_left)
+        if self.n:
+            cat = np.concatenate
+            self.computed, self.held = cat([self.computed, computed]), cat([self.held, held])
+            self.out, self.max_tokens = cat([self.out, out]), cat([self.max_tokens, max_tokens])
+        else:
+            self.computed, self.held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
+            self.out, self.max_tokens = np.array(out, dtype=np.int64), np.array(max_tokens, dtype=np.int64)
+        self.n += len(computed)
+        self.joined += len(computed)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Only the members where `mask` holds stay, in order."""
+        self.computed, self.held = self.computed[mask], self.held[mask]
+        self.out, self.max_tokens = self.out[mask], self.max_tokens[mask]
+        self.n = len(self.computed)
+        self.min_left = None
 
 
 class SimEngine:
@@ -106,7 +153,8 @@ class SimEngine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
-        self._ahead = None                    # (requests, computed, blocks) of the run run_length found
+        self.batch = Batch()
+        self._found = 0                       # the run run_length found, until start_run takes it
         self._shared = getattr(model, "shared_host", None) or 1.0
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
@@ -124,6 +172,12 @@ class SimEngine:
 
     def remove(self, req: SimRequest) -> None:
         """Abort: out of the scheduler, blocks freed."""
+        i = self.member(req)
+        if i is not None:
+            self._settle_one(i)
+            mask = np.ones(self.batch.n, dtype=bool)
+            mask[i] = False
+            self.batch.keep(mask)
         self.scheduler.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
@@ -143,6 +197,7 @@ class SimEngine:
         """The real scheduler's next step and its modelled duration (0.0 for an empty step); `shared`:
         another worker of its host has work at the step's start (the simulator rescales the step if
         that changes before it ends)."""
+        self.settle()
         sched = self.scheduler.schedule()
         if not sched:
             return sched, 0.0
@@ -186,42 +241,70 @@ class SimEngine:
         return None
 
     # -- runs of decode-only steps ---------------------------------------------------------------
+    def member(self, req: SimRequest) -> int | None:
+        """req's place in the batch, None when it is not a member."""
+        batch, running = self.batch, self.scheduler.running
+        if batch.n == 0 or req.status is not Status.RUNNING:
+            return None
+        for i in range(batch.n):
+            if running[i] is req:
+                return i
+        return None
+
+    def settle(self) -> None:
+        """Write the batch's counters back to its requests and empty it."""
+        batch = self.batch
+        if batch.n:
+            for r, c, o in zip(self.scheduler.running, batch.computed.tolist(), batch.out.tolist()):
+                r.num_computed_tokens, r.num_out = c, o
+            batch.clear()
+
+    def _settle_one(self, i: int) -> None:
+        r, batch = self.scheduler.running[i], self.batch
+        r.num_computed_tokens, r.num_out = int(batch.computed[i]), int(batch.out[i])
+
     def run_length(self) -> int:
         """How many decode-only steps are certain from here (0: schedule the next step for real)."""
-        self._ahead = None
+        self._found = 0
         if not self.fast_forward:
             return 0
-        s, cfg = self.scheduler, self.cfg
+        s, cfg, batch = self.scheduler, self.cfg, self.batch
         running = s.running
         b = len(running)
         if b == 0 or b > cfg.token_budget:
             return 0
-        k = 1 << 62
-        computed, held = [], []
-        for r in running:
-            c, n = r.num_computed_tokens, r.prompt_len
-            if n + r.num_out - c != 1 or c < n:
-                return 0       # (a lone last prompt token makes the first token: a step of its own)
-            left = r.max_tokens - r.num_out
-            if left < k:
-                k = left
-            computed.append(c)
-            held.append(len(r.block_ids))
+        if b > batch.n:
+            computed, held, out, max_tokens, fewest = [], [], [], [], 1 << 62
+            for r in running[batch.n:]:
+                c, n, o = r.num_computed_tokens, r.prompt_len, r.num_out
+                if n + o - c != 1 or c < n or r.hand_off:
+                    return 0   # (a lone last prompt token makes the first token: a step of its own)
+                computed.append(c)
+                held.append(len(r.block_ids))
+                out.append(o)
+                max_tokens.append(r.max_tokens)
+                if r.max_tokens - o < fewest:
+                    fewest = r.max_tokens - o
+            batch.join(computed, held, out, max_tokens, fewest)
         if s.waiting and not self._waiting_blocked(b):
             return 0
-        computed, held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
-        self._ahead = (list(running), computed, held)       # what start_run reads, unchanged meanwhile
+        if batch.min_left is None:
+            batch.min_left = int((batch.max_tokens - batch.out).min())
+        k = batch.min_left
         free, bs = self.blocks.num_free, self.blocks.block_size
-        if _blocks_needed(computed, held, k, bs) <= free:
-            return k
-        lo, hi = 0, k                          # the longest run whose new blocks are free
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _blocks_needed(computed, held, mid, bs) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        computed, held = batch.computed, batch.held
+        if b * -(-k // bs) > free and _blocks_needed(computed, held, k, bs) > free:   # (k tokens take
+            # at most ceil(k / block_size) new blocks a request: most runs need no exact count)
+            lo, hi = 0, k                      # the longest run whose new blocks are free
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _blocks_needed(computed, held, mid, bs) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        self._found = k
+        return k
 
     def _waiting_blocked(self, b: int) -> bool:
         """The scheduler could not admit the first waiting request in any step of the run."""
@@ -239,16 +322,22 @@ class SimEngine:
     def start_run(self, start: float, k: int, shared: bool = False) -> DecodeRun:
         """k decode-only steps from `start`, at schedule()'s contention (`shared` holds for the whole
         run: the simulator cuts it when that changes on the host)."""
-        if self._ahead is None:
-            raise RuntimeError("start_run follows a run_length that found a run")
-        reqs, computed, blocks0 = self._ahead
-        self._ahead = None
-        b = len(reqs)
-        d = self.model.decode_run(b, int(computed.sum()), k) * self.contention(shared)
+        if not 1 <= k <= self._found:
+            raise RuntimeError(f"start_run({k}) follows a run_length that found a run of {self._found}")
+        self._found = 0
+        batch = self.batch
+        b, joined = batch.n, batch.joined
+        d = self.model.decode_run(b, int(batch.computed.sum()), k) * self.contention(shared)
         gap = np.full(k, self.model.gap(b))
         gap[0] = 0.0                                       # the first step starts at `start`
         ends = start + np.cumsum(d + gap)
-        return DecodeRun(reqs, ends - d, ends, computed, blocks0, self.blocks.num_used, k)
+        starts = ends - d
+        first = float(starts[0])
+        for r in self.scheduler.running[b - joined:b]:
+            if r.first_scheduled_time is None:       # an imported request's first step here
+                r.first_scheduled_time = first
+        batch.joined = 0
+        return DecodeRun(b, starts, ends, batch.computed, batch.held, self.blocks.num_used, batch.min_left, joined)
 
     def cut_after(self, run: DecodeRun, t: float) -> int:
         """Steps of the run that still go ahead when new work reaches the worker at `t`: every step
@@ -256,41 +345,47 @@ class SimEngine:
         m = int(np.searchsorted(run.starts, t, side="left"))
         return max(1, min(m, run.k))
 
-    def apply_run(self, run: DecodeRun, m: int) -> list[tuple[SimRequest, str | None]]:
-        """Advance the run's requests by their first m steps (blocks allocated through the BlockManager);
-        returns each request with its finish reason after the last of them (None: it goes on)."""
-        if not 1 <= m <= run.finishing:
-            raise ValueError(f"a run of {run.finishing} steps cannot advance {m}")
-        last = float(run.ends[m - 1])
-        out = []
-        first = float(run.starts[0])
+    def apply_run(self, run: DecodeRun, m: int) -> tuple[np.ndarray | None, list[tuple[SimRequest, str]]]:
+        """Advance the batch by the run's first m steps (blocks allocated through the BlockManager).
+        Returns which of the run's b requests go on (a bool each; None: all of them) and the others
+        with their finish reason, settled and out of the batch."""
+        if not 1 <= m <= run.k:
+            raise ValueError(f"a run of {run.k} steps cannot advance {m}")
+        batch = self.batch
+        if batch.n != run.b or batch.computed is not run.computed:
+            raise RuntimeError("the batch changed while its decode run was in flight")
         bs = self.blocks.block_size
         after = run.computed + m
-        grow = np.flatnonzero(-(-after // bs) > run.blocks0)       # requests that need a new block
-        reqs = run.reqs
-        if len(grow) > self.blocks.num_free:
-            raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
-        self.blocks.grow([reqs[i].block_ids for i in grow.tolist()], after[grow].tolist())
-        token = self._token
-        for r, c in zip(reqs, after.tolist()):
-            r.num_computed_tokens = c
-            if r.first_scheduled_time is None:       # an imported request's first step here
-                r.first_scheduled_time = first
-            n = r.num_out + m
-            if n < r.max_tokens and not r.hand_off:
-                r.num_out = n                        # it goes on
-                out.append((r, None))
-            else:
-                r.num_out = n - 1
-                out.append((r, token(r, last)))      # the last step's token, and the request's end
+        need = -(-after // bs)
+        grow = np.flatnonzero(need > run.blocks0)            # requests that need a new block
+        running = self.scheduler.running
+        if len(grow):
+            if len(grow) > self.blocks.num_free:
+                raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
+            self.blocks.grow([running[i].block_ids for i in grow.tolist()], after[grow].tolist())
+            batch.held = np.maximum(run.blocks0, need)
+        batch.computed, batch.out = after, batch.out + m
         self.num_steps += m
-        return out
+        if m < run.finishing:                       # nobody's last token before the run's full length
+            batch.min_left = run.finishing - m
+            return None, []
+        goes_on = batch.out < batch.max_tokens
+        last = float(run.ends[m - 1])
+        ending = np.flatnonzero(~goes_on).tolist()
+        for i in ending:
+            self._settle_one(i)
+        ending = [running[i] for i in ending]
+        batch.keep(goes_on)
+        done = []
+        for r in ending:                            # each leaves the running list (and the batch's head)
+            r.num_out -= 1
+            done.append((r, self._token(r, last)))   # the last step's token, and the request's end
+        return goes_on, done
 
     def run_steps(self, run: DecodeRun, m: int, num_waiting: int) -> dict:
         """The run's first m steps as steps.jsonl columns (arrays), blocks counted step by step."""
         bs = self.blocks.block_size
-        b = len(run.reqs)
         i = np.arange(1, m + 1)
         held = np.maximum(run.blocks0[:, None], -(-(run.computed[:, None] + i[None, :]) // bs))   # [b, m]
         used = run.used0 + (held - run.blocks0[:, None]).sum(axis=0)
-        return {"start": run.starts[:m], "end": run.ends[:m], "b": b, "used": used, "waiting": num_waiting}
+        return {"start": run.starts[:m], "end": run.ends[:m], "b": run.b, "used": used, "waiting": num_waiting}

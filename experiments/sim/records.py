@@ -11,7 +11,10 @@ included, into steps.jsonl rows.
 Without every token's time (`Record.keep` False: large runs, the planner), a record keeps its first
 and last times and its count, and `Gaps` (when given) pools the inter-token gaps the metrics need: a
 decode run's gaps once for all the requests it advanced (their owners kept, so only completed
-requests count), each request's gap into a run or a scheduled step one by one.
+requests count), each request's gap into a scheduled step or into its first run of a batch one by one.
+
+`Ledger` holds the records of a worker's decode batch while its runs go on: every member gains the
+same tokens at the same times, so a record is brought up to date only when it is read.
 """
 from __future__ import annotations
 
@@ -73,17 +76,19 @@ class Gaps:
         self.owner: list[int] = []
         self.made: list[float] = []
         self.got: list[float] = []
-        self.runs: list[tuple] = []            # (owners [b], made gaps [m - 1], got gaps [m - 1])
+        self.runs: list[tuple] = []            # (owners [b], step ends [m], router times [m], lead (made, got))
 
     def one(self, owner: int, made: float, got: float) -> None:
         self.owner.append(owner)
         self.made.append(made)
         self.got.append(got)
 
-    def run(self, owners: np.ndarray, ends: np.ndarray, at: np.ndarray) -> None:
-        """A decode run's steps ending at `ends` (reaching the router at `at`) advanced these owners."""
-        if len(ends) > 1 and len(owners):
-            self.runs.append((owners, np.diff(ends), np.diff(at)))
+    def run(self, owners: np.ndarray, ends: np.ndarray, at: np.ndarray,
+            lead: tuple[float, float] = (np.nan, np.nan)) -> None:
+        """A decode run's steps ending at `ends` (reaching the router at `at`) advanced these owners,
+        whose previous tokens were all made at lead[0] and got at lead[1] (NaN: none in common)."""
+        if len(owners) and (len(ends) > 1 or lead[0] == lead[0]):
+            self.runs.append((owners, ends, at, lead))
 
     def pooled(self, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(made gaps, got gaps, weights) of the requests where `ok` (a bool per owner) holds: each
@@ -91,15 +96,113 @@ class Gaps:
         mine = ok[np.asarray(self.owner, dtype=np.int64)]
         made = np.asarray(self.made, dtype=np.float64)[mine]
         got = np.asarray(self.got, dtype=np.float64)[mine]
-        if not self.runs:
+        runs = self.runs
+        if not runs:
             return made, got, np.ones(len(made))
-        sizes = np.array([len(r[0]) for r in self.runs])
-        owners = np.concatenate([r[0] for r in self.runs])
-        w = np.bincount(np.repeat(np.arange(len(self.runs)), sizes), weights=ok[owners], minlength=len(self.runs))
-        lens = np.array([len(r[1]) for r in self.runs])
-        weights = np.concatenate([np.ones(len(made)), np.repeat(w, lens)])
-        return (np.concatenate([made] + [r[1] for r in self.runs]),
-                np.concatenate([got] + [r[2] for r in self.runs]), weights)
+        sizes = np.array([len(r[0]) for r in runs])
+        owners = np.concatenate([r[0] for r in runs])
+        w = np.bincount(np.repeat(np.arange(len(runs)), sizes), weights=ok[owners], minlength=len(runs))
+        ends, at = np.concatenate([r[1] for r in runs]), np.concatenate([r[2] for r in runs])
+        lens = np.array([len(r[1]) for r in runs])
+        first = np.cumsum(lens) - lens                    # each run's first step in ends
+        inner = np.ones(max(len(ends) - 1, 0), dtype=bool)
+        inner[first[1:] - 1] = False                      # a gap across two runs is no one's
+        lead = np.array([r[3] for r in runs], dtype=np.float64)
+        has = ~np.isnan(lead[:, 0])
+        return (np.concatenate([made, np.diff(ends)[inner], ends[first[has]] - lead[has, 0]]),
+                np.concatenate([got, np.diff(at)[inner], at[first[has]] - lead[has, 1]]),
+                np.concatenate([np.ones(len(made)), np.repeat(w, lens - 1), w[has]]))
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class Ledger:
+    """The records of a worker's decode batch (experiments/sim/engine.py's Batch), member for member.
+
+    Every member of a decode run gains the same tokens at the same times, so a run appends itself to
+    the history (its steps, last times, and its token times when kept) and a member's record is
+    brought up to date from there only when it is read (`flush`): when its attempt ends or is dropped,
+    and when the batch settles. A member's gap into a run is the run's own first gap (its previous
+    token ended the previous run), so a run's gaps are pooled once for all its continuing members.
+    `owner` is the record's index, -1 once its attempt is no longer live (its tokens are not recorded)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.n = 0
+        self.owner = self.since = _NONE                    # since: history runs the record has
+        self.dead = 0                         # members whose attempt is no longer live (owner -1)
+        self.behind = False                   # some member's record lacks a run of the history
+        self.steps = [0]                      # steps before each run of the history, and after the last
+        self.made, self.got = [], []          # each run's last step end and when the router got it
+        self.parts = []                       # each run's (ends, router times) when every token is kept
+
+    def join(self, owners: list[int]) -> None:
+        """Members whose records are up to date with the history so far."""
+        since = np.full(len(owners), len(self.made), dtype=np.int64)
+        if self.n:
+            self.owner, self.since = np.concatenate([self.owner, owners]), np.concatenate([self.since, since])
+        else:
+            self.owner, self.since = np.array(owners, dtype=np.int64), since
+        self.n += len(owners)
+        self.dead += owners.count(-1)
+
+    def run(self, ends: np.ndarray, at: np.ndarray, m: int, continuing: int, gaps: "Gaps | None") -> None:
+        """A decode run of m steps that advanced the first `continuing` members with the rest."""
+        if gaps is not None and continuing and self.made:
+            owners = self.owner[:continuing]
+            gaps.run(owners[owners >= 0], ends, at, (self.made[-1], self.got[-1]))
+        self.behind = self.behind or continuing > 0
+        self.steps.append(self.steps[-1] + m)
+        self.made.append(float(ends[-1]))
+        self.got.append(float(at[-1]))
+        if Record.keep:
+            self.parts.append((ends, at))
+
+    def flush(self, i: int, att: "Attempt | None") -> None:
+        """Bring member i's record (and its attempt's token count) up to date with the history."""
+        if i >= self.n:
+            return
+        j0, j = int(self.since[i]), len(self.made)
+        if self.owner[i] >= 0 and j > j0 and att is not None:
+            self._bring(att, j0, j)
+        self.since[i] = j
+
+    def _bring(self, att: "Attempt", j0: int, j: int) -> None:
+        """The tokens of history runs j0 .. j - 1 into att's record and count."""
+        rec, n = att.record, self.steps[j] - self.steps[j0]
+        rec.num_out += n
+        att.num_tokens += n
+        rec.last_time, rec.client_last = self.made[-1], self.got[-1]
+        if Record.keep:
+            rec.times.extend(p[0] for p in self.parts[j0:j])
+            rec.client.extend(p[1] for p in self.parts[j0:j])
+
+    def flush_all(self, reqs: list) -> None:
+        """flush every member (requests `reqs`, in the batch's order), then forget them."""
+        j = len(self.made)
+        if self.behind:
+            for req, owner, j0 in zip(reqs, self.owner.tolist(), self.since.tolist()):
+                if owner >= 0 and j > j0 and req.attempt is not None:
+                    self._bring(req.attempt, j0, j)
+        self.clear()
+
+    def detach(self, i: int) -> None:
+        """Member i's attempt is over: its later tokens are not its record's."""
+        if i < self.n and self.owner[i] >= 0:
+            self.owner[i] = -1
+            self.dead += 1
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Only the members where `mask` holds stay (flushed first by the caller where it matters)."""
+        self.owner, self.since = self.owner[mask], self.since[mask]
+        self.n = len(self.owner)
+        if not self.n:
+            self.clear()
+        elif self.dead:
+            self.dead = int(np.count_nonzero(self.owner < 0))
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:

@@ -27,6 +27,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
@@ -157,6 +159,8 @@ class Simulator(KVTransfers, WorkerSteps):
                 self.num_events += 1
         finally:
             gc.set_threshold(*thresholds)
+        for w in self.workers:
+            self._settle(w)
         return list(self.records.values())
 
     # -- router: admission, dispatch, endings -------------------------------------------------------
@@ -226,12 +230,15 @@ class Simulator(KVTransfers, WorkerSteps):
                 continue
             while j < m and ends[j] <= seen:
                 j += 1
-            loads[w.rank].kv_tokens += len(run.reqs) * (j - w.run_seen)
+            loads[w.rank].kv_tokens += w.run_live * (j - w.run_seen)
             w.run_seen = j
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         if not att.live:
             return
+        for w, req in ((att.decode, att.dreq), (att.prefill, att.preq)):
+            if req is not None:
+                self._detach(w, req)
         att.live = False
         self.journeys.close(id(att))
         if abort:
@@ -279,6 +286,11 @@ class Simulator(KVTransfers, WorkerSteps):
 
     # -- faults -------------------------------------------------------------------------------------
     def _kill(self, w: SimWorker) -> None:
+        if w.state == "run":                        # the steps of its run that ended made their tokens
+            m = int(np.searchsorted(w.run.ends[:w.run_steps], self.now, side="right"))
+            if m:
+                w.run_steps = m
+                self._run_end(w, w.version)
         w.handle.alive = False
         w.version += 1
         w.state, w.run, w.sched = "dead", None, None

@@ -7,7 +7,9 @@ a run of identical decode-only steps in one event (SimEngine.start_run) or sched
 pdlab's Scheduler; a step's end hands its tokens to the router after the return latency and starts
 the KV sends of its finished prefills. When another worker of the host starts or stops working (the
 shared_host factor), a step in flight is rescaled to the new rate and a decode run is cut after its
-current step.
+current step. Between runs the batch's records wait in the worker's Ledger (experiments/sim/records.py)
+and are brought up to date before the scheduler runs a step, when an attempt ends or is dropped (with
+the steps of a run in flight that ended before then), and at the end.
 """
 from __future__ import annotations
 
@@ -79,6 +81,10 @@ class WorkerSteps:
                     continue
                 e.add(x)
             elif kind == "abort":
+                i = e.member(x)
+                if i is not None and i < w.ledger.n:
+                    w.ledger.flush(i, x.attempt)
+                    w.ledger.keep(np.arange(w.ledger.n) != i)
                 if x.block_ids or x in e.scheduler.running or x in e.scheduler.waiting:
                     e.remove(x)
                 w.arrivals = type(w.arrivals)(a for a in w.arrivals if a.dreq is not x)
@@ -113,9 +119,12 @@ class WorkerSteps:
         if k >= 1:
             run = e.start_run(t, k, shared)
             w.run, w.run_steps, w.run_seen, w.state = run, k, 0, "run"
+            joiners = e.scheduler.running[run.b - run.joined:run.b]
+            w.run_live = run.b - w.ledger.dead - sum(r.attempt is None or not r.attempt.live for r in joiners)
             self.in_run.add(w)
             self.push(float(run.ends[-1]), self._run_end, w, w.version)
             return
+        self._settle(w)
         sched, d = e.schedule(shared)
         if not sched:
             self._idle(w)                           # nothing it can schedule until something changes
@@ -150,52 +159,96 @@ class WorkerSteps:
     def _run_end(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
             return
-        run, m = w.run, w.run_steps
+        run, m, e, ledger = w.run, w.run_steps, w.engine, w.ledger
+        b, joined = run.b, run.joined
+        if ledger.n != b - joined:
+            raise RuntimeError(f"{w.name}: the ledger holds {ledger.n} of a run's {b - joined} continuing requests")
         entry = w.log_run(run, m)
-        out = w.engine.apply_run(run, m)
+        members = e.scheduler.running[:b]
+        goes_on, done = e.apply_run(run, m)
         if entry is not None:
-            entry["used"][-1] = w.engine.blocks.num_used
-            entry["running_last"] = len(w.engine.scheduler.running)
+            entry["used"][-1] = e.blocks.num_used
+            entry["running_last"] = len(e.scheduler.running)
         ends = run.ends[:m]
         at = self._deliveries(w, ends)
         end = w.last_end = float(run.ends[m - 1])
-        b = len(run.reqs)
-        self.loads[w.rank].kv_tokens += b * (m - w.run_seen)      # the steps the router had not yet counted
+        self.loads[w.rank].kv_tokens += w.run_live * (m - w.run_seen)   # the steps the router had not yet counted
         w.run, w.run_seen = None, 0
         self.in_run.discard(w)
+        ledger.run(ends, at, m, b - joined, self.gaps)
+        if joined:
+            ledger.join(self._first_run(members[b - joined:], ends, at, m))
+        for i in ([] if goes_on is None else np.flatnonzero(~goes_on).tolist()):
+            req = members[i]
+            att = req.attempt
+            ledger.flush(i, att)
+            if ledger.owner[i] >= 0:
+                rec = att.record
+                rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
+                self._finish(att, "length")
+        if len(done):
+            ledger.keep(goes_on)
+        self._next(w, end, b)
+
+    def _first_run(self, reqs: list, ends: np.ndarray, at: np.ndarray, m: int) -> list[int]:
+        """The records of requests in their first decode run of the batch, brought up to date one by one
+        (their previous token is their own); returns each one's owner for the ledger (-1: not live)."""
         keep, gaps = Record.keep, self.gaps
-        f0, fl, c0, cl = float(ends[0]), end, float(at[0]), float(at[-1])
-        owners, into, into_at, advanced = [], [], [], []
-        for req, reason in out:
+        f0, fl, c0, cl = float(ends[0]), float(ends[-1]), float(at[0]), float(at[-1])
+        owners, live, into, into_at, mine = [], [], [], [], []
+        for req in reqs:
             att = req.attempt
             if att is None or not att.live:
+                owners.append(-1)
                 continue
             rec = att.record
-            advanced.append(rec.index)
+            owners.append(rec.index)
+            live.append(rec.index)
             if keep:
                 rec.add_times(ends, at, m)
-            else:                                   # Record.add_times inlined: a million calls in a large run
+            else:                                   # Record.add_times inlined
                 if rec.first_time is None:
                     rec.first_time, rec.client_first = f0, c0
                 elif gaps is not None:
                     into.append(f0 - rec.last_time)
                     into_at.append(c0 - rec.client_last)
-                    owners.append(rec.index)
+                    mine.append(rec.index)
                 rec.last_time, rec.client_last = fl, cl
                 rec.num_out += m
             att.num_tokens += m
             if att.kind == "handoff" and att.decode_start is None:
                 att.decode_start = req.first_scheduled_time
                 rec.handoff_s = att.decode_start - att.first_token_worker_time
-            if reason == "length":
-                rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
-                self._finish(att, reason)
         if gaps is not None:
-            gaps.owner += owners
+            gaps.owner += mine
             gaps.made += into
             gaps.got += into_at
-            gaps.run(np.array(advanced, dtype=np.int64), ends, at)
-        self._next(w, end, b)
+            gaps.run(np.array(live, dtype=np.int64), ends, at)
+        return owners
+
+    def _settle(self, w: SimWorker) -> None:
+        """Bring the records of w's decode batch up to date and write its counters back to its requests."""
+        if w.engine.batch.n:
+            w.ledger.flush_all(w.engine.scheduler.running)
+            w.engine.settle()
+
+    def _detach(self, w: SimWorker, req) -> None:
+        """req's attempt is over: its record is brought up to date and takes no more of w's run tokens."""
+        i = w.engine.member(req)
+        if i is None:
+            return
+        ledger, att = w.ledger, req.attempt
+        live = ledger.owner[i] >= 0 if i < ledger.n else att is not None and att.live
+        ledger.flush(i, att)
+        ledger.detach(i)
+        run = w.run
+        if w.state == "run" and i < run.b and live:
+            m = int(np.searchsorted(run.ends[:w.run_steps], self.now, side="right"))
+            if m:                                   # the steps of the run in flight that ended before now
+                ends = run.ends[:m].copy()
+                self._first_run([req], ends, np.maximum(ends + self.costs.return_s, w.delivered), m)
+            w.run_live -= 1                         # its later steps are no one's load; its first m are
+            self.loads[w.rank].kv_tokens += m - w.run_seen       # in its count, which closing it takes off
 
     def _delivery(self, w: SimWorker, t: float) -> float:
         """When the router gets a step that left the worker at `t`: after the return latency, and not

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from experiments.sim.engine import DecodeRun, SimEngine
+from experiments.sim.records import Ledger
 
 
 @dataclass(eq=False, slots=True)
@@ -51,9 +52,11 @@ class SimWorker:
     last_end: float = 0.0                  # when its latest step ended (idle since then, when idle)
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
+    run_live: int = 0                      # its requests whose attempts are live (their tokens count)
     run_seen: int = 0                      # steps of the run in flight whose end the router has seen (their
                                            # KV tokens, run_seen x its requests, are in the router's load)
     delivered: float = 0.0                 # when the router got this worker's latest step
+    ledger: Ledger = field(default_factory=Ledger)   # the records of its decode batch
     log: list = field(default_factory=list)
 
     @property
