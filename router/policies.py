@@ -23,8 +23,9 @@ class WorkerLoad:
         return self.kv_tokens / max(self.kv_capacity_tokens, 1)
 
     def __setattr__(self, name, value):
-        object.__setattr__(self, name, value)
-        watch = self.__dict__.get("_watch")
+        d = self.__dict__                     # (its fields are plain: set in place, read on every token)
+        d[name] = value
+        watch = d.get("_watch")
         if watch is not None:                 # a LoadIndex keeps its order of the workers up to date
             watch(self)
 

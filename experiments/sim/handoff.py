@@ -24,7 +24,7 @@ class KVTransfers:
         w.engine.release(req)
         if att is None or not att.live:
             return
-        rec = att.rec
+        rec = att.record
         timeout = self.cfg.transfer.timeout_s
         if att.drop_transfer:                      # fault injection: this transfer never happens
             self.push(att.handoff_at + timeout, self._transfer_check, att)
@@ -50,7 +50,7 @@ class KVTransfers:
         if not att.live or due != att.kv_due:
             return
         att.sent = True
-        att.rec.kv_arrived = self.now
+        att.record.kv_arrived = self.now
         self._deliver(att.decode, ("kv", att))
 
     def _transfer_check(self, att: Attempt) -> None:

@@ -244,10 +244,6 @@ class Attempt(Journey):
     drop_transfer: bool = field(default=False, kw_only=True)
 
     @property
-    def rec(self) -> Record:
-        return self.record
-
-    @property
     def first_token_worker_time(self) -> float | None:
         return self.first_token_time                # the simulated workers share the router's clock
 

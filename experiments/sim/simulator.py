@@ -248,7 +248,7 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def _finish(self, att: Attempt, reason: str) -> None:
         self._drop(att, abort=False)
-        rec = att.rec
+        rec = att.record
         rec.finish(reason, rec.last_time)
 
     def _fail(self, rec: Record, reason: str) -> None:
@@ -260,7 +260,7 @@ class Simulator(KVTransfers, WorkerSteps):
         if not att.live:
             return
         self._drop(att)
-        rec = att.rec
+        rec = att.record
         final = why_not_retry(rec, reason, crashed, self.cfg.router.max_retries)
         if final is not None:
             return self._fail(rec, final)
@@ -278,9 +278,9 @@ class Simulator(KVTransfers, WorkerSteps):
         att = req.attempt
         if att is None or not att.live:
             return
-        att.rec.add_times(end, at, 1)
+        att.record.add_times(end, at, 1)
         if reason == "handoff":
-            att.rec.prefill_end = end                   # what the real router reads off the KV's import
+            att.record.prefill_end = end                   # what the real router reads off the KV's import
         if self.journeys.token(att, end, at, req.first_scheduled_time, reason):
             self._finish(att, reason)
 
@@ -302,5 +302,5 @@ class Simulator(KVTransfers, WorkerSteps):
     def _on_dead(self, w: SimWorker) -> None:
         reason = f"worker {w.name} died (ActorDiedError)"
         for att in self.journeys.lost_with(w):
-            att.rec.injected_fault = True
+            att.record.injected_fault = True
             self._retry(att, reason, crashed=False)

@@ -95,7 +95,7 @@ class WorkerSteps:
     def _rejected(self, att: Attempt, w: SimWorker, reason: str) -> None:
         if att.live:
             self._drop(att)
-            self._fail(att.rec, f"rejected by {w.name}: {reason}")
+            self._fail(att.record, f"rejected by {w.name}: {reason}")
 
     def _step_start(self, w: SimWorker, version: int) -> None:
         if version != w.version or not w.alive:
@@ -142,12 +142,12 @@ class WorkerSteps:
         stream = self.cfg.stream != "off"
         exports = []
         t = end
-        last_chunk = {id(c.request): c.num_tokens for c in sched.chunks}   # a lone last prompt token is a 'decode'
         for req, reason in done.tokens:
             if reason == "handoff":
                 if not stream:
                     t += self.costs.export_s(req.attempt.nbytes)
-                exports.append((req, t, last_chunk.get(id(req), req.prompt_len)))
+                last = next((c.num_tokens for c in sched.chunks if c.request is req), req.prompt_len)
+                exports.append((req, t, last))       # (a lone last prompt token is a 'decode' chunk)
         at = self._delivery(w, t)
         for req, reason in done.tokens:
             self._on_token(req, reason, start, end, at)

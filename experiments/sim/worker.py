@@ -58,10 +58,10 @@ class SimWorker:
     delivered: float = 0.0                 # when the router got this worker's latest step
     ledger: Ledger = field(default_factory=Ledger)   # the records of its decode batch
     log: list = field(default_factory=list)
+    rank: int = field(init=False)          # its handle's, read on every load change
 
-    @property
-    def rank(self) -> int:
-        return self.handle.rank
+    def __post_init__(self):
+        self.rank = self.handle.rank
 
     @property
     def name(self) -> str:
