@@ -286,7 +286,7 @@ def test_engine_run_length_respects_waiting_prompts_and_blocks():
 
 # -- against the real engine ------------------------------------------------------------------------
 # -- the planner ------------------------------------------------------------------------------------
-def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4, link=(0.0, 1e12), steps=4, shared=None):
+def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4, link=(0.0, 1e12), steps=4, shared=None, jobs=1):
     from hydra import compose, initialize_config_dir
 
     from experiments.analysis.plan import plan
@@ -298,7 +298,20 @@ def _plan(prompt_len, output_len, coef, slo, max_batch=64, gpus=4, link=(0.0, 1e
             f"workload.prompt_len.value={prompt_len}", f"workload.output_len.value={output_len}",
             f"slo.ttft_ms={slo[0]}", f"slo.tpot_ms={slo[1]}", f"scheduler.max_batch={max_batch}"])
     return plan(cfg, gpus, [64], probe=2, requests_per_worker=40, steps=steps, verify_requests_per_gpu=20,
-                costs=costs(coef=coef, link=link), shared=shared)
+                costs=costs(coef=coef, link=link), shared=shared, jobs=jobs)
+
+
+def test_a_plan_in_processes_is_the_plan_in_one():
+    """The independent searches and checks run in forked processes give the serial plan, its count of
+    simulations included."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores to fork onto")
+    args = (300, 30, (1.0, 0.05, 0.0, 0.01, 0.0, 0.0), (400, 20.0))
+    one, two = _plan(*args, jobs=1), _plan(*args, jobs=2)
+    for key in ("candidates", "best", "runner_up", "phases", "num_sims"):
+        assert one[key] == two[key], key
 
 
 def test_planner_disaggregates_with_most_gpus_prefilling_when_prompts_dominate_and_tpot_is_tight():

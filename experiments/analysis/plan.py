@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -218,29 +219,36 @@ class Search:
 
 def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests_per_worker: int = 200,
          steps: int = 7, verify_requests_per_gpu: int = 30, seed: int = 0, costs=None,
-         shared: dict | None = None) -> dict:
+         shared: dict | None = None, jobs: int = 1) -> dict:
     """The search of the module docstring; `costs` (experiments/sim/costs.py) replace the hardware
     group's; `shared` keeps simulations for later plans to reuse (one per layout, rate and request
     count, whatever the SLO: plans of the same cells under other SLOs or links; `num_sims` counts
-    only this plan's own)."""
+    only this plan's own). The colocated prefill_first search comes first and its rate is every other
+    search's first guess; those searches, then the two full-scale checks, are independent of each
+    other and run in up to `jobs` processes (serially with `shared`, whose simulations stay in this
+    process): the same result for any `jobs`."""
     started = time.perf_counter()
     s = Search(cfg, requests_per_worker, steps, seed, costs, shared)
-    guess = 1.0
+    jobs = 1 if shared is not None else max(1, jobs)
     out: list[Candidate] = []
     k = max(1, min(probe, gpus))
-    # colocated
-    for layout, chunk in [("colocated-prefill_first", None)] + [("colocated-chunked", c) for c in chunks]:
-        spec = _spec(cfg, layout, k, chunk)
-        rate, att = s.highest(spec, k, "both", guess)
-        guess = rate or guess
-        out.append(Candidate(layout, chunk, rate, "probe", rate * gpus, att, {"probe_gpus": k}))
-    phases = {}
+    colocated = [("colocated-prefill_first", None)] + [("colocated-chunked", c) for c in chunks]
+    layout, chunk = colocated[0]
+    rate, att = s.highest(_spec(cfg, layout, k, chunk), k, "both", 1.0)
+    out.append(Candidate(layout, chunk, rate, "probe", rate * gpus, att, {"probe_gpus": k}))
+    guess = rate or 1.0
+    searches = [(_spec(cfg, layout, k, chunk), k, "both", None) for layout, chunk in colocated[1:]]
     if gpus >= 2:
         kp = max(1, min(probe, gpus // 2))
         pspec = _spec(cfg, f"{kp}p{kp}d", 2 * kp)
-        g_p, a_p = s.highest(pspec, kp, "prefill", guess)
         free = dataclasses.replace(s.costs, role_step=s.costs.role_step | {"prefill": FreeStep()}, export=(0.0, 0.0))
-        g_d, a_d = s.highest(pspec, kp, "decode", guess, free)
+        searches += [(pspec, kp, "prefill", None), (pspec, kp, "decode", free)]
+    found = _in_processes(s, [lambda a=a: s.highest(a[0], a[1], a[2], guess, a[3]) for a in searches], jobs)
+    for (layout, chunk), (rate, att) in zip(colocated[1:], found):
+        out.append(Candidate(layout, chunk, rate, "probe", rate * gpus, att, {"probe_gpus": k}))
+    phases = {}
+    if gpus >= 2:
+        (g_p, a_p), (g_d, a_d) = found[-2:]
         phases = {"prefill_per_worker": g_p, "decode_per_worker": g_d, "probe_workers": kp,
                   "prefill_attainment": a_p, "decode_attainment": a_d}
         for p in range(1, gpus):
@@ -251,12 +259,39 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
     best = ranked[0]
     other = next((c for c in ranked[1:] if c.disaggregated != best.disaggregated), None)
     runner = next((c for c in ranked[1:] if c is not other), None) if other is None else other
-    verified = [verify(s, cfg, c, gpus, verify_requests_per_gpu) for c in (best, runner) if c is not None]
-    final = sorted(verified, key=lambda c: -c.goodput_per_gpu)
+    checks = [lambda c=c: verify(s, cfg, c, gpus, verify_requests_per_gpu) for c in (best, runner) if c is not None]
+    final = sorted(_in_processes(s, checks, jobs), key=lambda c: -c.goodput_per_gpu)
     return {"candidates": out, "best": final[0], "runner_up": final[1] if len(final) > 1 else None,
             "phases": phases, "num_sims": s.num_sims, "elapsed_s": time.perf_counter() - started,
             "costs": s.costs.source, "gpus": gpus, "target": s.target, "slo": dataclasses.asdict(s.slo),
             "steps": steps}
+
+
+_TASKS: list = []          # what forked processes run (inherited, not pickled): see _in_processes
+
+
+def _run_task(i: int):
+    s, task = _TASKS[i]
+    before = s.num_sims
+    return task(), s.num_sims - before
+
+
+def _in_processes(s: Search, tasks: list, jobs: int) -> list:
+    """Each task's result, in order: run here when jobs is 1 (or a process cannot be forked), else
+    in up to `jobs` forked processes (each inherits the search; its simulation count comes back)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if jobs <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [t() for t in tasks]
+    _TASKS[:] = [(s, t) for t in tasks]
+    try:
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+            done = list(pool.map(_run_task, range(len(tasks))))
+    finally:
+        _TASKS.clear()
+    s.num_sims += sum(n for _, n in done)
+    return [r for r, _ in done]
 
 
 def verify(s: Search, cfg: DictConfig, c: Candidate, gpus: int, per_gpu: int) -> Candidate:
@@ -352,7 +387,7 @@ def main() -> None:
         base.compare, base.layout = None, None
         try:
             result = plan(base, int(cfg.cluster.gpus), chunk_sizes(cfg), p.probe, p.requests_per_worker, p.steps,
-                          p.verify_requests_per_gpu, cfg.seed)
+                          p.verify_requests_per_gpu, cfg.seed, jobs=p.get("jobs") or len(os.sched_getaffinity(0)))
         except (ConfigError, ValueError) as e:
             print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
             sys.exit(2)
