@@ -154,6 +154,7 @@ class MeasuredStepModel:
         # than numpy on one number (the simulator asks for millions of steps)
         self._cl, self._tl, self._pl = self._c.tolist(), self._t.tolist(), self._pairs.tolist()
         self._decl, self._dattl = self._dec.tolist(), self._datt.tolist()
+        self._dec_finite = np.isfinite(self._dec).all(axis=1).tolist()     # rows a decode run reads whole
         self._sharedl, self._pattl = self._shared.tolist(), self._patt.tolist()
 
     def idle_factor(self, kind: str, idle_s: float = math.inf) -> float:
@@ -197,11 +198,12 @@ class MeasuredStepModel:
             self.fallback_steps += k
             return self.fallback.decode_run(b, context, k)
         i, j, w = self._rows(b)
-        ctx = np.maximum(ctx, 1.0)
+        if ctx[0] < 1.0:
+            ctx = np.maximum(ctx, 1.0)
         t = np.interp(ctx, self._c, self._dec[i])
         if w:
             t = t + w * (np.interp(ctx, self._c, self._dec[j]) - t)
-        if not np.isfinite(t).all():
+        if not (self._dec_finite[i] and self._dec_finite[j]) and not np.isfinite(t).all():
             self.fallback_steps += k
             return self.fallback.decode_run(b, context, k)
         return t
