@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.analysis.forked import run_all
 from experiments.config import ConfigError, apply_layout, parse
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
@@ -267,30 +267,16 @@ def plan(cfg: DictConfig, gpus: int, chunks: list[int], probe: int = 2, requests
             "steps": steps}
 
 
-_TASKS: list = []          # what forked processes run (inherited, not pickled): see _in_processes
-
-
-def _run_task(i: int):
-    s, task = _TASKS[i]
-    before = s.num_sims
-    return task(), s.num_sims - before
-
-
 def _in_processes(s: Search, tasks: list, jobs: int) -> list:
-    """Each task's result, in order: run here when jobs is 1 (or a process cannot be forked), else
-    in up to `jobs` forked processes (each inherits the search; its simulation count comes back)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    """Each task's result, in order, run by experiments/analysis/forked.py (in up to `jobs` processes);
+    the simulations they made are counted in `s` wherever they ran."""
+    def counted(task):
+        before = s.num_sims
+        return task(), s.num_sims - before
 
-    if jobs <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [t() for t in tasks]
-    _TASKS[:] = [(s, t) for t in tasks]
-    try:
-        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
-            done = list(pool.map(_run_task, range(len(tasks))))
-    finally:
-        _TASKS.clear()
-    s.num_sims += sum(n for _, n in done)
+    before = s.num_sims
+    done = run_all([lambda t=t: counted(t) for t in tasks], jobs)
+    s.num_sims = before + sum(n for _, n in done)
     return [r for r, _ in done]
 
 
@@ -326,94 +312,3 @@ def chunk_sizes(cfg: DictConfig) -> list[int]:
         return [int(c) for c in given]
     base = cfg.scheduler.get("token_budget") or 256
     return sorted({max(8, int(base * f)) for f in (1, 2)})
-
-
-def plot(result: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = result["gpus"]
-    splits = [c for c in result["candidates"] if c.disaggregated]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if splits:
-        ax.plot([int(c.layout.split("p")[0]) for c in splits], [c.goodput_per_gpu for c in splits], "-",
-                label="disaggregated P:D (phase estimate)")
-    for c in (c for c in result["candidates"] if not c.disaggregated):
-        ax.axhline(c.goodput_per_gpu, ls="--", lw=1, label=c.name)
-    for tag, c in (("best", result["best"]), ("runner-up", result["runner_up"])):
-        if c is not None and c.disaggregated:
-            ax.plot([int(c.layout.split("p")[0])], [c.goodput_per_gpu], "o", label=f"{tag}, full scale")
-    ax.set_xlabel(f"prefill GPUs P of {n} (D = {n} - P)")
-    ax.set_ylabel("goodput per GPU (req/s)")
-    ax.set_title(f"goodput per GPU at >= {result['target']:.0%} SLO attainment ({result['costs']})", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def summary_lines(result: dict) -> list[str]:
-    best, run = result["best"], result["runner_up"]
-    lines = [f"best: {best.name}: {best.goodput_per_gpu:.3g} req/s per GPU ({best.rate:.4g} req/s on "
-             f"{result['gpus']} GPUs; {best.how})"]
-    if run is not None:
-        lines.append(f"runner-up: {run.name}: {run.goodput_per_gpu:.3g} req/s per GPU ({run.how})")
-        if run.goodput_per_gpu > 0:
-            x = best.goodput_per_gpu / run.goodput_per_gpu
-            res = 2.0 ** -result["steps"]          # the bisection's last bracket, relative to the rate
-            lines.append(f"margin: the best gives {x:.3g}x the runner-up's goodput per GPU ({x - 1:+.1%})" +
-                         (f"; the rate search resolves about {res:.0%}, so this is a tie" if x - 1 < res else ""))
-    return lines
-
-
-def main() -> None:
-    import json
-    import sys
-    from pathlib import Path
-
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from experiments.config import ConfigError
-    from experiments.run import CONF_DIR
-
-    @hydra.main(version_base=None, config_path=CONF_DIR, config_name="plan")
-    def app(cfg: DictConfig) -> None:
-        out = Path(HydraConfig.get().runtime.output_dir)
-        p = cfg.plan
-        base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        base.pop("plan")
-        base.compare, base.layout = None, None
-        try:
-            result = plan(base, int(cfg.cluster.gpus), chunk_sizes(cfg), p.probe, p.requests_per_worker, p.steps,
-                          p.verify_requests_per_gpu, cfg.seed, jobs=p.get("jobs") or len(os.sched_getaffinity(0)))
-        except (ConfigError, ValueError) as e:
-            print(f"config error: {str(e).splitlines()[0]}", file=sys.stderr)
-            sys.exit(2)
-        ph = result["phases"]
-        print(f"{cfg.model.name} on {result['gpus']} GPUs ({result['costs']}), workload {cfg.workload.name}, SLO TTFT "
-              f"<= {result['slo']['ttft_ms']:g} ms, TPOT <= {result['slo']['tpot_ms']:g} ms, attainment >= "
-              f"{result['target']:.0%}")
-        for c in sorted(result["candidates"], key=lambda c: -c.goodput_per_gpu)[:8]:
-            print(f"  {c.name:<34} {c.goodput_per_gpu:8.3g} req/s/GPU  ({c.how})")
-        if ph:
-            print(f"phases: one prefill worker sustains {ph['prefill_per_worker']:.3g} req/s within TTFT, one decode "
-                  f"worker {ph['decode_per_worker']:.3g} req/s within TPOT")
-        for line in summary_lines(result):
-            print(line)
-        plot(result, out / "plan.png")
-        print(f"plot: {out / 'plan.png'}; {result['num_sims']} simulations in {result['elapsed_s']:.1f} s")
-
-        def c_json(c):
-            return None if c is None else {"layout": c.layout, "chunk": c.chunk, "goodput_per_gpu": c.goodput_per_gpu,
-                                           "rate": c.rate, "attainment": c.attainment, "how": c.how}
-        (out / "plan.json").write_text(json.dumps({"best": c_json(result["best"]),
-                                                   "runner_up": c_json(result["runner_up"]),
-                                                   "candidates": [c_json(c) for c in result["candidates"]],
-                                                   "phases": ph}, indent=1))
-        print(json.dumps({"best": c_json(result["best"]), "runner_up": c_json(result["runner_up"]), "phases": ph,
-                          "gpus": result["gpus"], "costs": result["costs"], "num_sims": result["num_sims"],
-                          "elapsed_s": round(result["elapsed_s"], 2), "plot": str(out / "plan.png")}))
-
-    app()
