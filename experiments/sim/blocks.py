@@ -94,9 +94,3 @@ class LazyBlockManager(BlockManager):
             refs[block] = n - 1
             if n == 1:
                 returned.append(block)
-
-    def grow(self, tables: list[list[int]], targets: list[int]) -> None:
-        """allocate(table, target) for each pair, in order, all at once: the simulator's decode runs grow
-        hundreds of thousands of tables by a block or two; the caller has checked the blocks are free."""
-        for ids, n in zip(tables, targets):
-            self.allocate(ids, n)

@@ -175,9 +175,7 @@ class SimEngine:
         i = self.member(req)
         if i is not None:
             self._settle_one(i)
-            mask = np.ones(self.batch.n, dtype=bool)
-            mask[i] = False
-            self.batch.keep(mask)
+            self.batch.keep(np.arange(self.batch.n) != i)
         self.scheduler.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
@@ -362,7 +360,8 @@ class SimEngine:
         if len(grow):
             if len(grow) > self.blocks.num_free:
                 raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
-            self.blocks.grow([running[i].block_ids for i in grow.tolist()], after[grow].tolist())
+            for i, n in zip(grow.tolist(), after[grow].tolist()):
+                self.blocks.allocate(running[i].block_ids, n)
             batch.held = np.maximum(run.blocks0, need)
         batch.computed, batch.out = after, batch.out + m
         self.num_steps += m

@@ -195,6 +195,11 @@ class Ledger:
             self.owner[i] = -1
             self.dead += 1
 
+    def drop(self, i: int) -> None:
+        """Member i leaves (an abort), if it has an entry yet."""
+        if i < self.n:
+            self.keep(np.arange(self.n) != i)
+
     def keep(self, mask: np.ndarray) -> None:
         """Only the members where `mask` holds stay (flushed first by the caller where it matters)."""
         self.owner, self.since = self.owner[mask], self.since[mask]

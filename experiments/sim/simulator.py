@@ -27,8 +27,6 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine, sim_request
@@ -287,7 +285,7 @@ class Simulator(KVTransfers, WorkerSteps):
     # -- faults -------------------------------------------------------------------------------------
     def _kill(self, w: SimWorker) -> None:
         if w.state == "run":                        # the steps of its run that ended made their tokens
-            m = int(np.searchsorted(w.run.ends[:w.run_steps], self.now, side="right"))
+            m = w.steps_ended(self.now)
             if m:
                 w.run_steps = m
                 self._run_end(w, w.version)

@@ -82,9 +82,9 @@ class WorkerSteps:
                 e.add(x)
             elif kind == "abort":
                 i = e.member(x)
-                if i is not None and i < w.ledger.n:
+                if i is not None:
                     w.ledger.flush(i, x.attempt)
-                    w.ledger.keep(np.arange(w.ledger.n) != i)
+                    w.ledger.drop(i)
                 if x.block_ids or x in e.scheduler.running or x in e.scheduler.waiting:
                     e.remove(x)
                 w.arrivals = type(w.arrivals)(a for a in w.arrivals if a.dreq is not x)
@@ -186,7 +186,7 @@ class WorkerSteps:
                 rec = att.record
                 rec.decode_s = end - att.decode_start if att.decode_start is not None else 0.0
                 self._finish(att, "length")
-        if len(done):
+        if goes_on is not None:
             ledger.keep(goes_on)
         self._next(w, end, b)
 
@@ -243,7 +243,7 @@ class WorkerSteps:
         ledger.detach(i)
         run = w.run
         if w.state == "run" and i < run.b and live:
-            m = int(np.searchsorted(run.ends[:w.run_steps], self.now, side="right"))
+            m = w.steps_ended(self.now)
             if m:                                   # the steps of the run in flight that ended before now
                 ends = run.ends[:m].copy()
                 self._first_run([req], ends, np.maximum(ends + self.costs.return_s, w.delivered), m)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from experiments.sim.engine import DecodeRun, SimEngine
 from experiments.sim.records import Ledger
 
@@ -77,6 +79,10 @@ class SimWorker:
             m = self.run_steps
             return float(self.run.starts[m - 1]), float(self.run.ends[m - 1])
         return self.step_start, self.step_end
+
+    def steps_ended(self, now: float) -> int:
+        """Steps of its run in flight that go ahead and ended by `now`."""
+        return int(np.searchsorted(self.run.ends[:self.run_steps], now, side="right"))
 
     def move_end(self, end: float) -> None:
         """Its step in flight now ends at `end` (the caller queues the event for it)."""
