@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.transfer.base import TransferConfig
@@ -87,6 +88,8 @@ class Simulator(KVTransfers, WorkerSteps):
         self.mode = cfg.mode
         self.heap: list = []
         self._seq = itertools.count()
+        self._deadlines: deque = deque()        # (sequence number, record) of arrived requests, oldest first
+        self._timing = False                    # a timeout event is in the heap
         self.now = 0.0
         counts: dict[str, int] = {}
         self.workers: list[SimWorker] = []
@@ -169,7 +172,9 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def _arrive(self, rec: Record) -> None:
         self._next_arrival()
-        self.push(rec.arrival_s + self.cfg.router.request_timeout_s, self._timeout, rec)
+        self._deadlines.append((next(self._seq), rec))
+        if not self._timing:
+            self._next_deadline()
         n, mt, limit = rec.prompt_len, rec.max_tokens, self.cfg.max_model_len
         why = None
         if n < 1 or mt < 1:
@@ -264,12 +269,26 @@ class Simulator(KVTransfers, WorkerSteps):
             return self._fail(rec, final)
         self._dispatch(rec)
 
+    def _next_deadline(self) -> None:
+        """Queue the timeout of the oldest arrived request not yet done. Deadlines come in arrival order,
+        so one timeout event at a time is enough: each queues the next when it fires, with the sequence
+        number its request took at arrival, so events keep the order one event per request would give.
+        (A million requests' timeouts in the heap made every push and pop walk a heap of a million.)"""
+        dl = self._deadlines
+        while dl and dl[0][1].done:
+            dl.popleft()
+        self._timing = bool(dl)
+        if dl:
+            seq, rec = dl[0]
+            heapq.heappush(self.heap, (rec.arrival_s + self.cfg.router.request_timeout_s, seq, self._timeout, (rec,)))
+
     def _timeout(self, rec: Record) -> None:
-        if rec.done:
-            return
-        for att in self.journeys.of(rec):
-            self._drop(att)
-        self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.router.request_timeout_s:g}")
+        self._deadlines.popleft()
+        if not rec.done:
+            for att in self.journeys.of(rec):
+                self._drop(att)
+            self._fail(rec, f"not finished within router.request_timeout_s={self.cfg.router.request_timeout_s:g}")
+        self._next_deadline()
 
     def _on_token(self, req, reason, start_of_first: float | None, end: float, at: float) -> None:
         """One token of `req` made in a step ending at `end` (worker clock), reaching the router at `at`."""
