@@ -162,6 +162,57 @@ def test_decode_runs_give_the_scheduler_s_steps_and_preempt_when_blocks_run_out(
     assert sum(s["num_preempted"] for s in logs[0][0]) > 0, "the pool is small enough to preempt"
 
 
+def _rounded(x):
+    """x with every float rounded to 1e-9 (a run's step times are summed in another order than
+    step by step: they agree to far below a nanosecond)."""
+    if isinstance(x, float):
+        return round(x, 9)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
+def test_chunk_runs_give_the_scheduler_s_steps_records_and_loads(layout):
+    """A prompt chunked beside running decodes (or alone, on a prefill worker) is advanced as a run of
+    steps: its chunks, first token, KV export and handoff, the decodes' tokens and the blocks come out
+    as scheduling every step gives them, with arrivals cutting runs, two workers sharing a host and
+    some requests timing out."""
+    from router.config import RouterConfig
+
+    if layout == "colocated":
+        roles, engines = ["colocated"] * 2, {"colocated": EngineConfig(policy="chunked", token_budget=48)}
+        blocks = {"colocated": 120}
+    else:
+        roles = ["prefill", "decode"]
+        engines = {"prefill": EngineConfig(policy="chunked", token_budget=40),
+                   "decode": EngineConfig(policy="chunked", token_budget=64)}
+        blocks = {"prefill": 80, "decode": 120}
+    cfg = dict(roles=roles, engines=engines, num_blocks=blocks, kv_bytes_per_token=1000, num_layers=4,
+               max_model_len=4096, router=RouterConfig(request_timeout_s=0.06))
+    arrivals = [Arrival(f"r{i}", 0.0015 * i, 30 + 23 * (i % 7), 1 + 9 * (i % 5)) for i in range(30)]
+    seen, chunk_runs = [], []
+    for ff in (True, False):
+        sim = Simulator(SimConfig(**cfg, fast_forward=ff),
+                        costs(gap=(0.05, 0.01), dispatch=0.2, ret=0.1, export=(0.3, 1e-9), factors={"shared_host": 1.3}))
+        recs = sim.run(arrivals)
+        chunk_runs.append(sum(1 for w in sim.workers for e in w.log if isinstance(e, dict) and e["prefill"] is not None))
+        for w in sim.workers:
+            w.engine.blocks.check()
+            assert w.engine.blocks.num_used == 0
+        assert all((l.prompt_tokens, l.running, l.kv_tokens) == (0, 0, 0) for l in sim.loads.values())
+        rows = [_rounded(request_row(r)) for r in recs]
+        steps = [_rounded(s) for w in sim.workers for s in step_rows(w.name, w.log)]
+        seen.append((rows, steps))
+    assert chunk_runs[0] > 0 and chunk_runs[1] == 0
+    assert seen[0][0] == seen[1][0]
+    assert seen[0][1] == seen[1][1]
+    statuses = {r["status"] for r in seen[0][0]}
+    assert statuses == {"ok", "failed"}, "some finish, some time out"
+
+
 def test_a_lone_last_prompt_token_makes_the_first_token_in_a_step_of_its_own():
     """A 33-token prompt in a 32-token budget leaves its last token alone, which the scheduler counts
     as a decode: it still ends the prefill (TTFT, queue and prefill times), fast-forwarded or not."""

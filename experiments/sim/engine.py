@@ -17,6 +17,15 @@ steps' times in one numpy call; `apply_run` advances every request by the m <= k
 is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
 is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
 
+Chunk runs. Under the chunked policy a prompt beside running decodes is as certain: each step gives
+every decode a token and the prompt what the budget leaves, and nothing waiting is admitted while the
+prompt's chunks take the whole budget. So when the only thing to schedule besides the decodes is one
+prompt (the last running request, or the first waiting one the scheduler would admit), its chunks run
+as one run too, each step priced and spaced exactly as a scheduled step, up to the step that makes its
+first token (where that step leaves budget to a waiting prompt, up to the step before), or the first
+decode's last token, or the free blocks' end. Scheduling every step gives the same steps, records and
+loads (tests/test_sim.py).
+
 Between runs the decodes' counters live in a `Batch` (arrays over the first n running requests), so
 a run costs a few array operations plus what changed: a request joining, finishing or taking a block.
 They are written back to the requests (`settle`) before anything else reads them: the scheduler's
@@ -88,7 +97,7 @@ class StepDone:
 
 @dataclass(slots=True)
 class DecodeRun:
-    """k decode-only steps of the same requests, advanced in one event."""
+    """k steps of the same decodes (and, in a chunk run, one prompt's chunks), advanced in one event."""
 
     b: int                     # the running decodes: the first b of the scheduler's running list
     starts: np.ndarray         # [k] step start times
@@ -99,10 +108,24 @@ class DecodeRun:
     finishing: int             # steps until the first request finishes (the run's length, or more
                                # when the free blocks cut it shorter)
     joined: int                # requests in no earlier run of this batch: the last `joined` of the b
+    prompt: "PromptChunks | None" = None   # a prompt chunked beside the decodes, one chunk a step
 
     @property
     def k(self) -> int:
         return len(self.ends)
+
+
+@dataclass(slots=True)
+class PromptChunks:
+    """The prompt of a chunk run: its chunk in each step (the budget the decodes leave it, its last chunk
+    what is left), from `start` computed tokens; `completes`: the last chunk catches it up (its first
+    token, at the run's last step)."""
+
+    req: "SimRequest"
+    chunks: list               # [k] tokens a step
+    start: int                 # num_computed_tokens at the run's start
+    completes: bool
+    held: int = 0              # blocks it held at the run's start
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -155,6 +178,7 @@ class SimEngine:
         self.num_steps = 0
         self.batch = Batch()
         self._found = 0                       # the run run_length found, until start_run takes it
+        self._chunks = None                   # the prompt chunks of the run run_length found, if any
         self._shared = getattr(model, "shared_host", None) or 1.0
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
@@ -264,16 +288,18 @@ class SimEngine:
     def run_length(self) -> int:
         """How many decode-only steps are certain from here (0: schedule the next step for real)."""
         self._found = 0
+        self._chunks = None
         if not self.fast_forward:
             return 0
         s, cfg, batch = self.scheduler, self.cfg, self.batch
         running = s.running
-        b = len(running)
-        if b == 0 or b > cfg.token_budget:
+        prompt = self._chunking()
+        b = len(running) - (prompt is not None and prompt.status is Status.RUNNING)
+        if (b == 0 and prompt is None) or b > cfg.token_budget:
             return 0
         if b > batch.n:
             computed, held, out, max_tokens, fewest = [], [], [], [], 1 << 62
-            for r in running[batch.n:]:
+            for r in running[batch.n:b]:
                 c, n, o = r.num_computed_tokens, r.prompt_len, r.num_out
                 if n + o - c != 1 or c < n or r.hand_off:
                     return 0   # (a lone last prompt token makes the first token: a step of its own)
@@ -284,6 +310,8 @@ class SimEngine:
                 if r.max_tokens - o < fewest:
                     fewest = r.max_tokens - o
             batch.join(computed, held, out, max_tokens, fewest)
+        if prompt is not None:
+            return self._chunk_run_length(prompt, b)
         if s.waiting and not self._waiting_blocked(b):
             return 0
         if batch.min_left is None:
@@ -304,6 +332,61 @@ class SimEngine:
         self._found = k
         return k
 
+    def _chunking(self) -> SimRequest | None:
+        """Under the chunked policy, a prompt the next steps chunk beside the running decodes: the last
+        running request when it is a prompt, or else the first waiting one (the scheduler would admit
+        it next). None when there is no such prompt or more than a prompt's last token is not left."""
+        s = self.scheduler
+        if self.cfg.policy != "chunked":
+            return None
+        if s.running:
+            r = s.running[-1]
+            if r.prompt_len + r.num_out - r.num_computed_tokens > 1:
+                return r
+        if s.waiting and len(s.running) < self.cfg.max_batch:
+            r = s.waiting[0]
+            if r.prompt_len + r.num_out - r.num_computed_tokens > 1:
+                return r
+        return None
+
+    def _chunk_run_length(self, p: SimRequest, b: int) -> int:
+        """Steps of b decodes beside prompt p's chunks that are certain from here (0: schedule for real).
+        The chunked policy gives the decodes a token each, then p what the budget leaves, min(left,
+        budget - b); nothing waiting is admitted while p's chunks take the whole budget, so the run
+        reaches p's last chunk only when nothing else waits for the budget that chunk leaves. It ends
+        at p's last chunk, at the step where the first decode finishes, or before the blocks run out."""
+        s, cfg, batch = self.scheduler, self.cfg, self.batch
+        room = cfg.token_budget - b
+        if room < 1:
+            return 0
+        from_waiting = p.status is not Status.RUNNING
+        if from_waiting and not self.blocks.can_allocate(p.block_ids, p.num_computed_tokens + min(
+                p.num_tokens - p.num_computed_tokens, room)):
+            return 0
+        others = len(s.waiting) - from_waiting
+        left = p.num_tokens - p.num_computed_tokens
+        chunks = []
+        while left > 1:
+            c = min(left, room)
+            if c == left and others and c < room:
+                break                              # its last chunk leaves budget a waiting prompt may take
+            chunks.append(c)
+            left -= c
+        k = len(chunks)
+        if b:
+            if batch.min_left is None:
+                batch.min_left = int((batch.max_tokens - batch.out).min())
+            k = min(k, batch.min_left)
+        bs, free, c0 = self.blocks.block_size, self.blocks.num_free, p.num_computed_tokens
+        while k and (_blocks_needed(batch.computed, batch.held, k, bs) if b else 0) \
+                + max(0, -(-(c0 + sum(chunks[:k])) // bs) - len(p.block_ids)) > free:
+            k -= 1
+        if k < 2:                                  # one step: the scheduler's own is as cheap
+            return 0
+        self._chunks = PromptChunks(p, chunks[:k], c0, left == 0 and k == len(chunks))
+        self._found = k
+        return k
+
     def _waiting_blocked(self, b: int) -> bool:
         """The scheduler could not admit the first waiting request in any step of the run."""
         cfg, head = self.cfg, self.scheduler.waiting[0]
@@ -318,24 +401,56 @@ class SimEngine:
         return not self.blocks.can_allocate(head.block_ids, head.num_computed_tokens + n)
 
     def start_run(self, start: float, k: int, shared: bool = False) -> DecodeRun:
-        """k decode-only steps from `start`, at schedule()'s contention (`shared` holds for the whole
-        run: the simulator cuts it when that changes on the host)."""
+        """k steps from `start` (decode-only, or beside the chunks of the prompt run_length found), at
+        schedule()'s contention (`shared` holds for the whole run: the simulator cuts it when that
+        changes on the host)."""
         if not 1 <= k <= self._found:
             raise RuntimeError(f"start_run({k}) follows a run_length that found a run of {self._found}")
         self._found = 0
-        batch = self.batch
+        batch, pc = self.batch, self._chunks
         b, joined = batch.n, batch.joined
-        d = self.model.decode_run(b, int(batch.computed.sum()), k) * self.contention(shared)
-        gap = np.full(k, self.model.gap(b))
-        gap[0] = 0.0                                       # the first step starts at `start`
-        ends = start + np.cumsum(d + gap)
-        starts = ends - d
+        if pc is None:
+            d = self.model.decode_run(b, int(batch.computed.sum()), k) * self.contention(shared)
+            gap = np.full(k, self.model.gap(b))
+            gap[0] = 0.0                                       # the first step starts at `start`
+            ends = start + np.cumsum(d + gap)
+            starts = ends - d
+        else:
+            starts, ends = self._chunk_steps(pc, b, k, start, self.contention(shared))
         first = float(starts[0])
         for r in self.scheduler.running[b - joined:b]:
             if r.first_scheduled_time is None:       # an imported request's first step here
                 r.first_scheduled_time = first
         batch.joined = 0
-        return DecodeRun(b, starts, ends, batch.computed, batch.held, self.blocks.num_used, batch.min_left, joined)
+        return DecodeRun(b, starts, ends, batch.computed, batch.held, self.blocks.num_used,
+                         batch.min_left if b else 1 << 62, joined, pc)
+
+    def _chunk_steps(self, pc: PromptChunks, b: int, k: int, start: float, contention: float):
+        """The k steps of a chunk run, each priced and spaced as a scheduled step is (the same features
+        in the same arithmetic); the prompt is admitted now when it was waiting."""
+        p, s = pc.req, self.scheduler
+        if k < len(pc.chunks):
+            del pc.chunks[k:]
+            pc.completes = False
+        if p.status is not Status.RUNNING:          # the scheduler admits it in the run's first step
+            s.waiting.popleft()
+            p.status = Status.RUNNING
+            s.running.append(p)
+        if p.first_scheduled_time is None:
+            p.first_scheduled_time = start
+        pc.held = len(p.block_ids)
+        model, gap = self.model, self.model.gap(b + 1)
+        context = int(self.batch.computed.sum()) if b else 0
+        at, done, total = start, pc.start, p.num_tokens
+        starts, ends = [], []
+        for i, n in enumerate(pc.chunks):
+            f = (b, context + b * i, n, 1, done, n * done + n * (n + 1) // 2, b + (done + n == total), n * done)
+            starts.append(at)
+            at += model.time(f) * contention
+            ends.append(at)
+            at += gap
+            done += n
+        return np.array(starts), np.array(ends)
 
     def cut_after(self, run: DecodeRun, t: float) -> int:
         """Steps of the run that still go ahead when new work reaches the worker at `t`: every step
@@ -343,10 +458,11 @@ class SimEngine:
         m = int(np.searchsorted(run.starts, t, side="left"))
         return max(1, min(m, run.k))
 
-    def apply_run(self, run: DecodeRun, m: int) -> tuple[np.ndarray | None, list[tuple[SimRequest, str]]]:
-        """Advance the batch by the run's first m steps (blocks allocated through the BlockManager).
-        Returns which of the run's b requests go on (a bool each; None: all of them) and the others
-        with their finish reason, settled and out of the batch."""
+    def apply_run(self, run: DecodeRun, m: int) -> tuple[np.ndarray | None, list[tuple[SimRequest, str]], tuple | None]:
+        """Advance the batch, and a chunk run's prompt, by the run's first m steps (blocks allocated
+        through the BlockManager). Returns which of the run's b requests go on (a bool each; None: all
+        of them), the others with their finish reason, settled and out of the batch, and the prompt's
+        first token (request, finish reason or None) when its last chunk ran."""
         if not 1 <= m <= run.k:
             raise ValueError(f"a run of {run.k} steps cannot advance {m}")
         batch = self.batch
@@ -365,11 +481,19 @@ class SimEngine:
             batch.held = np.maximum(run.blocks0, need)
         batch.computed, batch.out = after, batch.out + m
         self.num_steps += m
+        last = float(run.ends[m - 1])
+        first_token = None
+        pc = run.prompt
+        if pc is not None:
+            p = pc.req
+            p.num_computed_tokens = pc.start + sum(pc.chunks[:m])
+            self.blocks.allocate(p.block_ids, p.num_computed_tokens)
+            if m == run.k and pc.completes:
+                first_token = (p, self._token(p, last))
         if m < run.finishing:                       # nobody's last token before the run's full length
             batch.min_left = run.finishing - m
-            return None, []
+            return None, [], first_token
         goes_on = batch.out < batch.max_tokens
-        last = float(run.ends[m - 1])
         ending = np.flatnonzero(~goes_on).tolist()
         for i in ending:
             self._settle_one(i)
@@ -379,7 +503,7 @@ class SimEngine:
         for r in ending:                            # each leaves the running list (and the batch's head)
             r.num_out -= 1
             done.append((r, self._token(r, last)))   # the last step's token, and the request's end
-        return goes_on, done
+        return goes_on, done, first_token
 
     def run_steps(self, run: DecodeRun, m: int, num_waiting: int) -> dict:
         """The run's first m steps as steps.jsonl columns (arrays), blocks counted step by step."""
@@ -387,4 +511,9 @@ class SimEngine:
         i = np.arange(1, m + 1)
         held = np.maximum(run.blocks0[:, None], -(-(run.computed[:, None] + i[None, :]) // bs))   # [b, m]
         used = run.used0 + (held - run.blocks0[:, None]).sum(axis=0)
-        return {"start": run.starts[:m], "end": run.ends[:m], "b": run.b, "used": used, "waiting": num_waiting}
+        pc, prefill = run.prompt, None
+        if pc is not None:
+            prefill = np.array(pc.chunks[:m], dtype=np.int64)
+            used = used + np.maximum(0, -(-(pc.start + np.cumsum(prefill)) // bs) - pc.held)
+        return {"start": run.starts[:m], "end": run.ends[:m], "b": run.b, "used": used, "waiting": num_waiting,
+                "prefill": prefill, "running": run.b + (pc is not None)}

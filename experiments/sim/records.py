@@ -269,7 +269,7 @@ def request_row(rec: Record, t0: float = 0.0) -> dict:
 
 def step_rows(worker: str, log: list):
     """steps.jsonl rows of one worker from its step log: tuples for scheduled steps, dicts of arrays
-    for decode runs (experiments/sim/engine.py's run_steps)."""
+    for runs (experiments/sim/engine.py's run_steps: decode-only, or beside a prompt's chunks)."""
     index = 0
     for entry in log:
         if isinstance(entry, tuple):
@@ -277,12 +277,14 @@ def step_rows(worker: str, log: list):
             yield _row(worker, index, start, end, p_tok, p_seqs, d_seqs, used, running, waiting, preempted)
             index += 1
             continue
-        b, waiting = entry["b"], entry["waiting"]
+        b, waiting, prefill = entry["b"], entry["waiting"], entry["prefill"]
         starts, ends, used = entry["start"].tolist(), entry["end"].tolist(), entry["used"].tolist()
+        tokens = [0] * len(starts) if prefill is None else prefill.tolist()
+        seqs = 0 if prefill is None else 1
         last = len(starts) - 1
-        for i, (s, e, u) in enumerate(zip(starts, ends, used)):
-            running = entry["running_last"] if i == last else b
-            yield _row(worker, index, s, e, 0, 0, b, int(u), running, waiting, 0)
+        for i, (s, e, u, p) in enumerate(zip(starts, ends, used, tokens)):
+            running = entry["running_last"] if i == last else entry["running"]
+            yield _row(worker, index, s, e, p, seqs, b, int(u), running, waiting, 0)
             index += 1
 
 

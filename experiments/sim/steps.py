@@ -165,13 +165,21 @@ class WorkerSteps:
             raise RuntimeError(f"{w.name}: the ledger holds {ledger.n} of a run's {b - joined} continuing requests")
         entry = w.log_run(run, m)
         members = e.scheduler.running[:b]
-        goes_on, done = e.apply_run(run, m)
+        goes_on, done, first = e.apply_run(run, m)
         if entry is not None:
             entry["used"][-1] = e.blocks.num_used
             entry["running_last"] = len(e.scheduler.running)
         ends = run.ends[:m]
-        at = self._deliveries(w, ends)
         end = w.last_end = float(run.ends[m - 1])
+        t, export = end, None
+        if first is not None and first[1] == "handoff":    # the prompt's KV is exported after its last step
+            if self.cfg.stream == "off":
+                t += self.costs.export_s(first[0].attempt.nbytes)
+            export = (first[0], t, run.prompt.chunks[m - 1])
+        if t == end:
+            at = self._deliveries(w, ends)
+        else:                                               # its last step reaches the router after the export
+            at = np.append(self._deliveries(w, ends[:-1]) if m > 1 else ends[:0], self._delivery(w, t))
         self.loads[w.rank].kv_tokens += w.run_live * (m - w.run_seen)   # the steps the router had not yet counted
         w.run, w.run_seen = None, 0
         self.in_run.discard(w)
@@ -188,7 +196,11 @@ class WorkerSteps:
                 self._finish(att, "length")
         if goes_on is not None:
             ledger.keep(goes_on)
-        self._next(w, end, b)
+        if first is not None:
+            self._on_token(first[0], first[1], float(run.starts[m - 1]), end, float(at[-1]))
+        if export is not None:
+            self._send_kv(w, *export)
+        self._next(w, t, b + (run.prompt is not None))
 
     def _first_run(self, reqs: list, ends: np.ndarray, at: np.ndarray, m: int) -> list[int]:
         """The records of requests in their first decode run of the batch, brought up to date one by one
