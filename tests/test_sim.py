@@ -178,8 +178,8 @@ def _rounded(x):
 def test_chunk_runs_give_the_scheduler_s_steps_records_and_loads(layout):
     """A prompt chunked beside running decodes (or alone, on a prefill worker) is advanced as a run of
     steps: its chunks, first token, KV export and handoff, the decodes' tokens and the blocks come out
-    as scheduling every step gives them, with arrivals cutting runs, two workers sharing a host and
-    some requests timing out."""
+    as scheduling every step gives them, with arrivals cutting runs, two workers sharing a host, steps
+    varying by the spread's draws and some requests timing out."""
     from router.config import RouterConfig
 
     if layout == "colocated":
@@ -196,7 +196,8 @@ def test_chunk_runs_give_the_scheduler_s_steps_records_and_loads(layout):
     seen, chunk_runs = [], []
     for ff in (True, False):
         sim = Simulator(SimConfig(**cfg, fast_forward=ff),
-                        costs(gap=(0.05, 0.01), dispatch=0.2, ret=0.1, export=(0.3, 1e-9), factors={"shared_host": 1.3}))
+                        costs(gap=(0.05, 0.01), dispatch=0.2, ret=0.1, export=(0.3, 1e-9),
+                              factors={"shared_host": 1.3, "spread": 0.3}))
         recs = sim.run(arrivals)
         chunk_runs.append(sum(1 for w in sim.workers for e in w.log if isinstance(e, dict) and e["prefill"] is not None))
         for w in sim.workers:

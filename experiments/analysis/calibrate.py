@@ -19,6 +19,9 @@ returns a handful of numbers, each a median of many measured events (docs/simula
   busy for more than ALONE of their time; `shared_host`, over those that had another busy for at
   least SHARED of it, their ratio over their kind's factor. A factor needs MIN_STEPS steps; with
   fewer it is left out (1.0 in the simulator, which says so);
+- spread: how much those steps vary around what their factors predict, as the sigma of a lognormal
+  read off the 90th percentile of their log ratios (over the median): what gives the simulated
+  tails (ITL and TPOT p90 and p99, queueing behind slow steps) the machine's own jitter;
 - handoff: per transport, the KV handoff as serving runs it: from the end of the prefill step that
   made a request's first token to its last KV byte on the decode worker (exposed_transfer_s of
   disaggregated points with transfer.stream off), fitted as latency + bytes / bandwidth
@@ -35,8 +38,11 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 from pathlib import Path
+
+import numpy as np
 
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
@@ -44,6 +50,7 @@ from experiments.sim.stepmodel import chunk_features
 
 ALONE, SHARED = 0.1, 0.9      # share of a step with another worker of its host busy: alone below, shared above
 MIN_STEPS = 20                # steps a factor is read from, at least
+Z90 = 1.2815515655446004      # the standard normal's 90th percentile
 
 
 def _repeats(run_dir: Path):
@@ -191,6 +198,16 @@ def step_factors(seen: dict[str, list[tuple[float, float]]]) -> tuple[dict, dict
     num["shared"] = len(shared)
     if len(shared) >= MIN_STEPS:
         factors["shared_host"] = statistics.median(shared)
+    logs = []                                  # each step's log ratio over its factors' prediction
+    for kind, pairs in seen.items():
+        if kind in factors:
+            logs += [math.log(r / factors[kind]) for r, f in pairs if f <= ALONE]
+            if "shared_host" in factors:
+                logs += [math.log(r / (factors[kind] * factors["shared_host"])) for r, f in pairs if f >= SHARED]
+    if len(logs) >= MIN_STEPS:
+        q50, q90 = np.percentile(logs, [50, 90])
+        if q90 - q50 > 1e-6:                   # (steps that all ran at their prediction: none)
+            factors["spread"] = float((q90 - q50) / Z90)
     return factors, num
 
 

@@ -17,8 +17,8 @@
    machine (its own seed, not a run anything is validated against; `calibration.repeats` times
    round-robin, so it reads the machine at several moments) gives the router's message latencies,
    the busy host gap, the KV handoff as served, and the serving factors: how much slower decode and
-   prefill steps run while serving than in isolation, and how much slower again while another worker
-   of the host is busy (experiments/analysis/calibrate.py; docs/simulator.md).
+   prefill steps run while serving than in isolation, how much slower again while another worker
+   of the host is busy, and how much they vary (experiments/analysis/calibrate.py; docs/simulator.md).
 
 The machine's load over each part is recorded (experiments/serving/machine.py). Written as JSON to
 profiles/<hardware>/<model>-<dtype>-<threads>t.json, <hardware> naming this machine (`machine_name`):
@@ -40,7 +40,7 @@ import numpy as np
 
 from experiments.analysis.profiles import machine_name, profile_path
 from experiments.serving.machine import snapshot, usage
-from experiments.sim.stepmodel import LinearStepModel, chunk_features, fit_linear, relative_errors
+from experiments.sim.stepmodel import LinearStepModel, chunk_features, describe_factors, fit_linear, relative_errors
 from experiments.sim.transfer import fit_transfer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def measure_transfers(sizes_mib, repeats: int, bench_repeats: int = 8) -> dict:
 
 
 def describe(factors: dict) -> str:
-    return ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()) or "none (too few steps)"
+    return describe_factors(factors) or "none (too few steps)"
 
 
 def write(path: Path, prof: dict) -> None:

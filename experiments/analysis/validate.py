@@ -12,7 +12,7 @@ and whether the simulated value lies within the real repeats' range. `--against 
 same for a second real run of the same requests, beside the simulator: how far this machine is from
 itself, the floor of any simulator's error here (docs/simulator.md states the target as the simulator
 meeting at least as many values as that second run). `--without NAME` leaves a part of the profile's
-calibration out (a step factor: decode, prefill, shared_host; or gap_s, dispatch_s, return_s,
+calibration out (a step factor: decode, prefill, shared_host, spread; or gap_s, dispatch_s, return_s,
 handoff): how a factor is shown to earn its place. `--calibration DIR` recalibrates the profile's
 serving part from another real run (one made beside the run validated, never the run itself).
 
@@ -39,7 +39,7 @@ from experiments.analysis.profiles import profile_for
 from experiments.sim.backend import outputs, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival
-from experiments.sim.stepmodel import LinearStepModel
+from experiments.sim.stepmodel import LinearStepModel, describe_factors
 from workers.config import gemm_route
 
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
@@ -271,7 +271,7 @@ def print_table(result: dict) -> None:
                   f"{lin['profile']}: it prices another engine (python -m experiments.profile on this one)")
     c = result["points"][0]["costs"]
     fe = c.get("fit_error") or {}
-    factors = ", ".join(f"{k} x{v:.2f}" for k, v in (c.get("factors") or {}).items()) or "none"
+    factors = describe_factors(c.get("factors") or {}) or "none"
     print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
           f"{fe.get('p90_abs', float('nan')):.1%}; serving factors {factors}")
     runs = [x for x in (p["costs"].get("run_other_cores") for p in result["points"]) if x is not None]
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
     ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
     ap.add_argument("--without", action="append", default=[], metavar="NAME",
-                    help="leave out one part of the calibration (decode, prefill, shared_host, gap_s, dispatch_s, "
+                    help="leave out one part of the calibration (decode, prefill, shared_host, spread, gap_s, dispatch_s, "
                          "return_s, handoff); repeat for more")
     ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
     ap.add_argument("--against", type=Path, metavar="OTHER_RUN",

@@ -63,7 +63,7 @@ def from_profile(path: str | Path, backend: str = "zmq", calibrated: bool = True
     serving calibration (steps as measured in isolation, the bench's transfer, no message latency);
     `serving` replaces the profile's calibration (experiments/analysis/calibrate.py of another run);
     `without` names parts of the calibration to leave out (SERVING_KEYS, or one of the step factors
-    "decode", "prefill", "shared_host"): how validate weighs what each one earns (docs/simulator.md)."""
+    "decode", "prefill", "shared_host", "spread"): how validate weighs what each one earns (docs/simulator.md)."""
     path = Path(path)
     prof = json.loads(path.read_text())
     if prof.get("kind") != "pdlab-profile":

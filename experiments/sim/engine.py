@@ -42,7 +42,7 @@ from workers.config import EngineConfig
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
-from experiments.sim.stepmodel import features
+from experiments.sim.stepmodel import features, step_jitter
 
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
 
@@ -169,7 +169,7 @@ class Batch:
 
 
 class SimEngine:
-    def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True):
+    def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True, stream: int = 0):
         self.cfg = cfg
         self.model = model
         self.blocks = LazyBlockManager(num_blocks, cfg.block_size)
@@ -180,6 +180,8 @@ class SimEngine:
         self._found = 0                       # the run run_length found, until start_run takes it
         self._chunks = None                   # the prompt chunks of the run run_length found, if any
         self._shared = getattr(model, "shared_host", None) or 1.0
+        self._spread = getattr(model, "spread", None)   # steps vary around the model's time (None: they do not)
+        self._stream = stream                            # this worker's draws (its rank)
 
     # -- admission (workers.engine.Engine.add_request / begin_import + finish_import) ------------
     def add(self, req: SimRequest) -> None:
@@ -223,7 +225,8 @@ class SimEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return sched, 0.0
-        return sched, self.model.time(features(sched)) * self.contention(shared)
+        d = self.model.time(features(sched)) * self.contention(shared)
+        return sched, d * step_jitter(self._spread, self._stream, self.num_steps) if self._spread else d
 
     def contention(self, shared: bool) -> float:
         """How much slower a step's work goes while another worker of its host has work (`shared`):
@@ -411,6 +414,8 @@ class SimEngine:
         b, joined = batch.n, batch.joined
         if pc is None:
             d = self.model.decode_run(b, int(batch.computed.sum()), k) * self.contention(shared)
+            if self._spread:
+                d = d * step_jitter(self._spread, self._stream, self.num_steps, k)
             gap = np.full(k, self.model.gap(b))
             gap[0] = 0.0                                       # the first step starts at `start`
             ends = start + np.cumsum(d + gap)
@@ -443,10 +448,12 @@ class SimEngine:
         context = int(self.batch.computed.sum()) if b else 0
         at, done, total = start, pc.start, p.num_tokens
         starts, ends = [], []
+        spread, stream, step = self._spread, self._stream, self.num_steps
         for i, n in enumerate(pc.chunks):
             f = (b, context + b * i, n, 1, done, n * done + n * (n + 1) // 2, b + (done + n == total), n * done)
             starts.append(at)
-            at += model.time(f) * contention
+            d = model.time(f) * contention
+            at += d * step_jitter(spread, stream, step + i) if spread else d
             ends.append(at)
             at += gap
             done += n

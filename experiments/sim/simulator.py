@@ -101,7 +101,7 @@ class Simulator(KVTransfers, WorkerSteps):
             info = {"num_kv_blocks": blocks, "block_size": ecfg.block_size, "host": f"node{nodes[rank]}",
                     "kv_bytes_per_token": cfg.kv_bytes_per_token, "num_layers": cfg.num_layers,
                     "max_model_len": cfg.max_model_len}
-            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward)
+            engine = SimEngine(ecfg, blocks, costs.step_for(role), cfg.fast_forward, rank)
             self.workers.append(SimWorker(Handle(rank, role, index, info), engine, nodes[rank], cfg.record_steps))
         self.handles = [w.handle for w in self.workers]
         self.hosts = HostLoad(self.workers, any(getattr(w.engine.model, "shared_host", None) for w in self.workers))

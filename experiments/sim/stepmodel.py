@@ -72,7 +72,25 @@ def chunk_features(num_decode: int, decode_context: int, chunks: list[tuple[int,
             num_decode + sum(1 for *_, e in chunks if e), sum(n * s for n, s, _ in chunks))
 
 
-FACTORS = ("decode", "prefill", "shared_host")     # the serving factors a calibration may fit
+FACTORS = ("decode", "prefill", "shared_host", "spread")   # the serving factors a calibration may fit
+
+def describe_factors(factors: dict) -> str:
+    """A calibration's factors as a reader sees them: "decode x1.12, ..., spread 0.20"."""
+    return ", ".join(f"{k} {v:.2f}" if k == "spread" else f"{k} x{v:.2f}" for k, v in factors.items())
+
+
+_NORMALS = np.random.default_rng(20261205).standard_normal(1 << 16)    # the jitter's draws, one table for all
+
+
+def step_jitter(spread: float, stream: int, first: int, k: int | None = None):
+    """Multipliers of a worker's steps `first` .. first + k - 1 (one float when k is None): exp(spread * z)
+    with z drawn from a fixed table at the step's number, offset by the worker's `stream`. A step's draw
+    depends on its number alone, not on the order the simulator prices steps in, so a run of steps and
+    the same steps scheduled one by one vary alike."""
+    start = first + stream * 40503
+    if k is None:
+        return math.exp(spread * _NORMALS[start & 0xFFFF])
+    return np.exp(spread * _NORMALS[(start + np.arange(k)) & 0xFFFF])
 
 
 @dataclass
@@ -81,7 +99,9 @@ class LinearStepModel:
     c5 chunk_pairs + c6 context_pairs) in seconds, coef = c0..c6 (`terms`: LINEAR_TERMS; ONE_PAIR_TERMS:
     c5 prefill_pairs, an older profile's), kind "prefill" for a step with prompt tokens, else "decode";
     gap = gap_coef[0] + gap_coef[1] * sequences in the step. `factors`: a profile's serving calibration,
-    {"decode": x, "prefill": y, "shared_host": z}; each one left out is 1.0 (shared_host: not modelled)."""
+    {"decode": x, "prefill": y, "shared_host": z, "spread": s}; each factor left out is 1.0 (shared_host:
+    not modelled); `spread`, the sigma of the lognormal that steps while serving vary by around their
+    median (the simulator's step_jitter; left out: none)."""
 
     coef: list[float]
     gap_coef: list[float] = field(default_factory=lambda: [0.0, 0.0])
@@ -109,6 +129,7 @@ class LinearStepModel:
         self._g0, self._g1 = self.gap_coef
         self._kd, self._kp = self.factors.get("decode", 1.0), self.factors.get("prefill", 1.0)
         self.shared_host = self.factors.get("shared_host")
+        self.spread = self.factors.get("spread")
 
     def time(self, f: tuple) -> float:
         c = self._c
