@@ -289,7 +289,8 @@ class SimEngine:
         r.num_computed_tokens, r.num_out = int(batch.computed[i]), int(batch.out[i])
 
     def run_length(self) -> int:
-        """How many decode-only steps are certain from here (0: schedule the next step for real)."""
+        """How many steps, decode-only or beside one prompt's chunks, are certain from here (0: schedule
+        the next step for real)."""
         self._found = 0
         self._chunks = None
         if not self.fast_forward:
@@ -338,7 +339,7 @@ class SimEngine:
     def _chunking(self) -> SimRequest | None:
         """Under the chunked policy, a prompt the next steps chunk beside the running decodes: the last
         running request when it is a prompt, or else the first waiting one (the scheduler would admit
-        it next). None when there is no such prompt or more than a prompt's last token is not left."""
+        it next). None when there is none with more than its last token left."""
         s = self.scheduler
         if self.cfg.policy != "chunked":
             return None
