@@ -524,4 +524,4 @@ class SimEngine:
             prefill = np.array(pc.chunks[:m], dtype=np.int64)
             used = used + np.maximum(0, -(-(pc.start + np.cumsum(prefill)) // bs) - pc.held)
         return {"start": run.starts[:m], "end": run.ends[:m], "b": run.b, "used": used, "waiting": num_waiting,
-                "prefill": prefill, "running": run.b + (pc is not None)}
+                "prefill": prefill}

@@ -280,10 +280,10 @@ def step_rows(worker: str, log: list):
         b, waiting, prefill = entry["b"], entry["waiting"], entry["prefill"]
         starts, ends, used = entry["start"].tolist(), entry["end"].tolist(), entry["used"].tolist()
         tokens = [0] * len(starts) if prefill is None else prefill.tolist()
-        seqs = 0 if prefill is None else 1
+        seqs = 0 if prefill is None else 1                 # a chunk run's prompt runs beside the b decodes
         last = len(starts) - 1
         for i, (s, e, u, p) in enumerate(zip(starts, ends, used, tokens)):
-            running = entry["running_last"] if i == last else entry["running"]
+            running = entry["running_last"] if i == last else b + seqs
             yield _row(worker, index, s, e, p, seqs, b, int(u), running, waiting, 0)
             index += 1
 

@@ -88,8 +88,8 @@ class Simulator(KVTransfers, WorkerSteps):
         self.mode = cfg.mode
         self.heap: list = []
         self._seq = itertools.count()
-        self._deadlines: deque = deque()        # (sequence number, record) of arrived requests, oldest first
-        self._timing = False                    # a timeout event is in the heap
+        self._deadlines: deque = deque()        # (sequence number, record) of arrived requests, oldest first:
+                                                # while it holds any, the first one's timeout is in the heap
         self.now = 0.0
         counts: dict[str, int] = {}
         self.workers: list[SimWorker] = []
@@ -172,8 +172,9 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def _arrive(self, rec: Record) -> None:
         self._next_arrival()
+        idle = not self._deadlines
         self._deadlines.append((next(self._seq), rec))
-        if not self._timing:
+        if idle:
             self._next_deadline()
         n, mt, limit = rec.prompt_len, rec.max_tokens, self.cfg.max_model_len
         why = None
@@ -277,7 +278,6 @@ class Simulator(KVTransfers, WorkerSteps):
         dl = self._deadlines
         while dl and dl[0][1].done:
             dl.popleft()
-        self._timing = bool(dl)
         if dl:
             seq, rec = dl[0]
             heapq.heappush(self.heap, (rec.arrival_s + self.cfg.router.request_timeout_s, seq, self._timeout, (rec,)))

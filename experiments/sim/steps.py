@@ -176,10 +176,9 @@ class WorkerSteps:
             if self.cfg.stream == "off":
                 t += self.costs.export_s(first[0].attempt.nbytes)
             export = (first[0], t, run.prompt.chunks[m - 1])
-        if t == end:
-            at = self._deliveries(w, ends)
-        else:                                               # its last step reaches the router after the export
-            at = np.append(self._deliveries(w, ends[:-1]) if m > 1 else ends[:0], self._delivery(w, t))
+        at = self._deliveries(w, ends)
+        if t != end:                                        # its last step reaches the router after the export
+            at[-1] = self._delivery(w, t)
         self.loads[w.rank].kv_tokens += w.run_live * (m - w.run_seen)   # the steps the router had not yet counted
         w.run, w.run_seen = None, 0
         self.in_run.discard(w)

@@ -74,8 +74,8 @@ def step_columns(workers: list) -> dict[str, np.ndarray]:
     Scheduled steps (tuples) and runs (arrays) are gathered apart, each kind in one set of arrays,
     then put back in log order by their segment number (a run, or a stretch of tuples between two)."""
     tuples, t_seg, t_worker = [], [], []                 # scheduled steps: rows, segment, worker
-    r_start, r_end, r_used, r_k, r_b, r_run, r_wait, r_last, r_seg, r_worker = ([] for _ in range(10))
-    r_ptok, r_pseq = [], []                              # a chunk run's prompt tokens and seqs a step
+    r_start, r_end, r_used, r_k, r_b, r_prompt, r_wait, r_last, r_seg, r_worker = ([] for _ in range(10))
+    chunks = {}                                          # a chunk run's place among the runs: its prompt's tokens a step
     seg = 0
     for wi, w in enumerate(workers):
         open_stretch = False
@@ -93,11 +93,9 @@ def step_columns(workers: list) -> dict[str, np.ndarray]:
             r_used.append(entry["used"])
             r_k.append(len(entry["start"]))
             r_b.append(entry["b"])
-            r_run.append(entry["running"])
-            k_run = len(entry["start"])
-            prefill = entry["prefill"]
-            r_ptok.append(np.zeros(k_run) if prefill is None else prefill)
-            r_pseq.append(np.full(k_run, 0.0 if prefill is None else 1.0))
+            r_prompt.append(entry["prefill"] is not None)
+            if entry["prefill"] is not None:
+                chunks[len(r_b) - 1] = entry["prefill"]
             r_wait.append(entry["waiting"])
             r_last.append(entry["running_last"])
             r_seg.append(seg)
@@ -105,12 +103,17 @@ def step_columns(workers: list) -> dict[str, np.ndarray]:
     t = np.array(tuples, dtype=np.float64).reshape(-1, len(_LOGGED))
     k = np.asarray(r_k, dtype=np.int64)
     b = np.repeat(np.asarray(r_b, dtype=np.float64), k)
-    running = np.repeat(np.asarray(r_run, dtype=np.float64), k)
+    p_seqs = np.repeat(np.asarray(r_prompt, dtype=np.float64), k)
+    running = b + p_seqs
     if len(k):
         running[np.cumsum(k) - 1] = r_last
+    p_tokens = np.zeros(int(k.sum()))
+    first = np.cumsum(k) - k                                 # each run's first row
+    for i, tokens in chunks.items():
+        p_tokens[first[i]:first[i] + k[i]] = tokens
     cat = (lambda xs: np.concatenate(xs).astype(np.float64) if xs else np.zeros(0))
     zeros = np.zeros(int(k.sum()))
-    runs = {"start_s": cat(r_start), "end_s": cat(r_end), "num_prefill_tokens": cat(r_ptok), "num_prefill_seqs": cat(r_pseq),
+    runs = {"start_s": cat(r_start), "end_s": cat(r_end), "num_prefill_tokens": p_tokens, "num_prefill_seqs": p_seqs,
             "num_decode_seqs": b, "num_blocks_used": cat(r_used), "num_running": running,
             "num_waiting": np.repeat(np.asarray(r_wait, dtype=np.float64), k), "num_preempted": zeros}
     order = np.argsort(np.concatenate([np.asarray(t_seg, dtype=np.int64), np.repeat(np.asarray(r_seg, dtype=np.int64), k)]),
