@@ -8,28 +8,9 @@ forward pass. Requests are `SimRequest`s: workers.request.Request with counters 
 lists (prompt and output lengths are all the scheduler reads), so a million requests fit in memory.
 Token values are not simulated: every request runs to its `max_tokens` (the workloads ask ignore_eos).
 
-Decode runs. When every running request is a decode that fits the token budget, nothing is waiting
-that the scheduler could admit (the queue is empty, the batch is full, or the first waiting prompt
-cannot get its blocks: free blocks only shrink while decodes run), and the blocks the decodes will
-take over the next k steps are free, then the next k steps are known without scheduling them: each
-request gains one token per step, the first to finish ends the run. `start_run` computes those k
-steps' times in one numpy call; `apply_run` advances every request by the m <= k steps that ran (a run
-is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
-is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
-
-Chunk runs. Under the chunked policy a prompt beside running decodes is as certain: each step gives
-every decode a token and the prompt what the budget leaves, and nothing waiting is admitted while the
-prompt's chunks take the whole budget. So when the only thing to schedule besides the decodes is one
-prompt (the last running request, or the first waiting one the scheduler would admit), its chunks run
-as one run too, each step priced and spaced exactly as a scheduled step, up to the step that makes its
-first token (where that step leaves budget to a waiting prompt, up to the step before), or the first
-decode's last token, or the free blocks' end. Scheduling every step gives the same steps, records and
-loads (tests/test_sim.py).
-
-Between runs the decodes' counters live in a `Batch` (arrays over the first n running requests), so
-a run costs a few array operations plus what changed: a request joining, finishing or taking a block.
-They are written back to the requests (`settle`) before anything else reads them: the scheduler's
-next step, an abort, the end of the simulation.
+Runs of steps that are certain without scheduling them (decode runs, chunk runs) are advanced in
+one event: `run_length` finds them, `start_run` prices them, `apply_run` advances the requests by the
+steps that ran; experiments/sim/runs.py holds their records and arithmetic.
 """
 from __future__ import annotations
 
@@ -42,6 +23,7 @@ from workers.config import EngineConfig
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
+from experiments.sim.runs import Batch, DecodeRun, PromptChunks, blocks_needed, chunk_step_times, prompt_chunks
 from experiments.sim.stepmodel import features, step_jitter
 
 _PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
@@ -82,90 +64,12 @@ def sim_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, hand
                       max_tokens=max_tokens, hand_off=hand_off)
 
 
-def _blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_size: int) -> int:
-    """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
-    return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
-
-
 @dataclass(slots=True)
 class StepDone:
     """What one step did: tokens made (request, finish reason or None), requests preempted."""
 
     tokens: list
     preempted: list
-
-
-@dataclass(slots=True)
-class DecodeRun:
-    """k steps of the same decodes (and, in a chunk run, one prompt's chunks), advanced in one event."""
-
-    b: int                     # the running decodes: the first b of the scheduler's running list
-    starts: np.ndarray         # [k] step start times
-    ends: np.ndarray           # [k] step end times
-    computed: np.ndarray       # [b] num_computed_tokens of each request at the run's start
-    blocks0: np.ndarray        # [b] blocks each held at the start
-    used0: int                 # blocks in use at the start
-    finishing: int             # steps until the first request finishes (the run's length, or more
-                               # when the free blocks cut it shorter)
-    joined: int                # requests in no earlier run of this batch: the last `joined` of the b
-    prompt: "PromptChunks | None" = None   # a prompt chunked beside the decodes, one chunk a step
-
-    @property
-    def k(self) -> int:
-        return len(self.ends)
-
-
-@dataclass(slots=True)
-class PromptChunks:
-    """The prompt of a chunk run: its chunk in each step (the budget the decodes leave it, its last chunk
-    what is left), from `start` computed tokens; `completes`: the last chunk catches it up (its first
-    token, at the run's last step)."""
-
-    req: "SimRequest"
-    chunks: list               # [k] tokens a step
-    start: int                 # num_computed_tokens at the run's start
-    completes: bool
-    held: int = 0              # blocks it held at the run's start
-
-
-_NONE = np.zeros(0, dtype=np.int64)
-
-
-class Batch:
-    """The counters of the running decodes between runs, for the first n of the scheduler's running list
-    in its order (requests join at its end; `settle` writes them back): tokens computed, KV blocks held,
-    outputs made and asked for."""
-
-    def __init__(self):
-        self.clear()
-
-    def clear(self) -> None:
-        self.n = 0
-        self.computed = self.held = self.out = self.max_tokens = _NONE
-        self.joined = 0                        # the last `joined` members have run in no decode run yet
-        self.min_left = 1 << 62                # the fewest tokens a member has left (None: not known)
-
-    def join(self, computed: list, held: list, out: list, max_tokens: list, min_left: int) -> None:
-        """Requests appended to the scheduler's running list become members, in that order: their
-        tokens computed, blocks held, outputs made and asked for (the fewest left: min_left)."""
-        if self.min_left is not None:
-            self.min_left = min(self.min_left, min_left)
-        if self.n:
-            cat = np.concatenate
-            self.computed, self.held = cat([self.computed, computed]), cat([self.held, held])
-            self.out, self.max_tokens = cat([self.out, out]), cat([self.max_tokens, max_tokens])
-        else:
-            self.computed, self.held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
-            self.out, self.max_tokens = np.array(out, dtype=np.int64), np.array(max_tokens, dtype=np.int64)
-        self.n += len(computed)
-        self.joined += len(computed)
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Only the members where `mask` holds stay, in order."""
-        self.computed, self.held = self.computed[mask], self.held[mask]
-        self.out, self.max_tokens = self.out[mask], self.max_tokens[mask]
-        self.n = len(self.computed)
-        self.min_left = None
 
 
 class SimEngine:
@@ -323,12 +227,12 @@ class SimEngine:
         k = batch.min_left
         free, bs = self.blocks.num_free, self.blocks.block_size
         computed, held = batch.computed, batch.held
-        if b * -(-k // bs) > free and _blocks_needed(computed, held, k, bs) > free:   # (k tokens take
+        if b * -(-k // bs) > free and blocks_needed(computed, held, k, bs) > free:   # (k tokens take
             # at most ceil(k / block_size) new blocks a request: most runs need no exact count)
             lo, hi = 0, k                      # the longest run whose new blocks are free
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if _blocks_needed(computed, held, mid, bs) <= free:
+                if blocks_needed(computed, held, mid, bs) <= free:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -367,22 +271,14 @@ class SimEngine:
         if from_waiting and not self.blocks.can_allocate(p.block_ids, p.num_computed_tokens + min(
                 p.num_tokens - p.num_computed_tokens, room)):
             return 0
-        others = len(s.waiting) - from_waiting
-        left = p.num_tokens - p.num_computed_tokens
-        chunks = []
-        while left > 1:
-            c = min(left, room)
-            if c == left and others and c < room:
-                break                              # its last chunk leaves budget a waiting prompt may take
-            chunks.append(c)
-            left -= c
+        chunks, left = prompt_chunks(p.num_tokens - p.num_computed_tokens, room, len(s.waiting) > from_waiting)
         k = len(chunks)
         if b:
             if batch.min_left is None:
                 batch.min_left = int((batch.max_tokens - batch.out).min())
             k = min(k, batch.min_left)
         bs, free, c0 = self.blocks.block_size, self.blocks.num_free, p.num_computed_tokens
-        while k and (_blocks_needed(batch.computed, batch.held, k, bs) if b else 0) \
+        while k and (blocks_needed(batch.computed, batch.held, k, bs) if b else 0) \
                 + max(0, -(-(c0 + sum(chunks[:k])) // bs) - len(p.block_ids)) > free:
             k -= 1
         if k < 2:                                  # one step: the scheduler's own is as cheap
@@ -445,20 +341,9 @@ class SimEngine:
         if p.first_scheduled_time is None:
             p.first_scheduled_time = start
         pc.held = len(p.block_ids)
-        model, gap = self.model, self.model.gap(b + 1)
-        context = int(self.batch.computed.sum()) if b else 0
-        at, done, total = start, pc.start, p.num_tokens
-        starts, ends = [], []
-        spread, stream, step = self._spread, self._stream, self.num_steps
-        for i, n in enumerate(pc.chunks):
-            f = (b, context + b * i, n, 1, done, n * done + n * (n + 1) // 2, b + (done + n == total), n * done)
-            starts.append(at)
-            d = model.time(f) * contention
-            at += d * step_jitter(spread, stream, step + i) if spread else d
-            ends.append(at)
-            at += gap
-            done += n
-        return np.array(starts), np.array(ends)
+        jitter = [step_jitter(self._spread, self._stream, self.num_steps + i) for i in range(k)] if self._spread else None
+        return chunk_step_times(self.model, pc, b, int(self.batch.computed.sum()) if b else 0, start, contention,
+                                jitter)
 
     def cut_after(self, run: DecodeRun, t: float) -> int:
         """Steps of the run that still go ahead when new work reaches the worker at `t`: every step

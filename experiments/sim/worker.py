@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from experiments.sim.engine import DecodeRun, SimEngine
+from experiments.sim.engine import SimEngine
+from experiments.sim.runs import DecodeRun
 from experiments.sim.records import Ledger
 
 

@@ -1,0 +1,142 @@
+"""The runs of a simulated worker: steps certain without scheduling them, advanced in one event.
+
+Decode runs. When every running request is a decode that fits the token budget, nothing is waiting
+that the scheduler could admit (the queue is empty, the batch is full, or the first waiting prompt
+cannot get its blocks: free blocks only shrink while decodes run), and the blocks the decodes will
+take over the next k steps are free, then the next k steps are known without scheduling them: each
+request gains one token per step, the first to finish ends the run. `start_run` computes those k
+steps' times in one numpy call; `apply_run` advances every request by the m <= k steps that ran (a run
+is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
+is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
+
+Chunk runs. Under the chunked policy a prompt beside running decodes is as certain: each step gives
+every decode a token and the prompt what the budget leaves, and nothing waiting is admitted while the
+prompt's chunks take the whole budget. So when the only thing to schedule besides the decodes is one
+prompt (the last running request, or the first waiting one the scheduler would admit), its chunks run
+as one run too, each step priced and spaced exactly as a scheduled step, up to the step that makes its
+first token (where that step leaves budget to a waiting prompt, up to the step before), or the first
+decode's last token, or the free blocks' end. Scheduling every step gives the same steps, records and
+loads (tests/test_sim_runs.py).
+
+Between runs the decodes' counters live in a `Batch` (arrays over the first n running requests), so
+a run costs a few array operations plus what changed: a request joining, finishing or taking a block.
+They are written back to the requests (`settle`) before anything else reads them: the scheduler's
+next step, an abort, the end of the simulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_size: int) -> int:
+    """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
+    return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """k steps of the same decodes (and, in a chunk run, one prompt's chunks), advanced in one event."""
+
+    b: int                     # the running decodes: the first b of the scheduler's running list
+    starts: np.ndarray         # [k] step start times
+    ends: np.ndarray           # [k] step end times
+    computed: np.ndarray       # [b] num_computed_tokens of each request at the run's start
+    blocks0: np.ndarray        # [b] blocks each held at the start
+    used0: int                 # blocks in use at the start
+    finishing: int             # steps until the first request finishes (the run's length, or more
+                               # when the free blocks cut it shorter)
+    joined: int                # requests in no earlier run of this batch: the last `joined` of the b
+    prompt: "PromptChunks | None" = None   # a prompt chunked beside the decodes, one chunk a step
+
+    @property
+    def k(self) -> int:
+        return len(self.ends)
+
+
+@dataclass(slots=True)
+class PromptChunks:
+    """The prompt of a chunk run: its chunk in each step (the budget the decodes leave it, its last chunk
+    what is left), from `start` computed tokens; `completes`: the last chunk catches it up (its first
+    token, at the run's last step)."""
+
+    req: object                # the SimRequest
+    chunks: list               # [k] tokens a step
+    start: int                 # num_computed_tokens at the run's start
+    completes: bool
+    held: int = 0              # blocks it held at the run's start
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class Batch:
+    """The counters of the running decodes between runs, for the first n of the scheduler's running list
+    in its order (requests join at its end; `settle` writes them back): tokens computed, KV blocks held,
+    outputs made and asked for."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.n = 0
+        self.computed = self.held = self.out = self.max_tokens = _NONE
+        self.joined = 0                        # the last `joined` members have run in no decode run yet
+        self.min_left = 1 << 62                # the fewest tokens a member has left (None: not known)
+
+    def join(self, computed: list, held: list, out: list, max_tokens: list, min_left: int) -> None:
+        """Requests appended to the scheduler's running list become members, in that order: their
+        tokens computed, blocks held, outputs made and asked for (the fewest left: min_left)."""
+        if self.min_left is not None:
+            self.min_left = min(self.min_left, min_left)
+        if self.n:
+            cat = np.concatenate
+            self.computed, self.held = cat([self.computed, computed]), cat([self.held, held])
+            self.out, self.max_tokens = cat([self.out, out]), cat([self.max_tokens, max_tokens])
+        else:
+            self.computed, self.held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
+            self.out, self.max_tokens = np.array(out, dtype=np.int64), np.array(max_tokens, dtype=np.int64)
+        self.n += len(computed)
+        self.joined += len(computed)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Only the members where `mask` holds stay, in order."""
+        self.computed, self.held = self.computed[mask], self.held[mask]
+        self.out, self.max_tokens = self.out[mask], self.max_tokens[mask]
+        self.n = len(self.computed)
+        self.min_left = None
+
+
+def prompt_chunks(left: int, room: int, others_wait: bool) -> tuple[list[int], int]:
+    """A prompt's chunks while `left` of its tokens are to compute and the decodes leave `room` of the
+    budget a step: min(left, room) each, while more than its last token is left (that one runs as a
+    decode, a step of its own), and not the last chunk when it leaves budget that a waiting prompt
+    (`others_wait`) may take. Returns (chunks, tokens left after them)."""
+    chunks = []
+    while left > 1:
+        c = min(left, room)
+        if c == left and others_wait and c < room:
+            break
+        chunks.append(c)
+        left -= c
+    return chunks, left
+
+
+def chunk_step_times(model, pc: PromptChunks, b: int, context: int, start: float, contention: float,
+                     jitter: list | None) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of a chunk run's steps: b decodes at `context` summed tokens (growing by b a step)
+    beside pc's chunks, each step priced as a scheduled one (the same features, the same arithmetic,
+    times its `jitter`) and the next one starting the host gap of b + 1 sequences after it."""
+    gap, total = model.gap(b + 1), pc.req.num_tokens
+    at, done = start, pc.start
+    starts, ends = [], []
+    for i, n in enumerate(pc.chunks):
+        f = (b, context + b * i, n, 1, done, n * done + n * (n + 1) // 2, b + (done + n == total), n * done)
+        starts.append(at)
+        d = model.time(f) * contention
+        at += d * jitter[i] if jitter is not None else d
+        ends.append(at)
+        at += gap
+        done += n
+    return np.array(starts), np.array(ends)
