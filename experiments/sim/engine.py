@@ -14,6 +14,7 @@ steps that ran; experiments/sim/runs.py holds their records and arithmetic.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +106,7 @@ class SimEngine:
         i = self.member(req)
         if i is not None:
             self._settle_one(i)
-            self.batch.keep(np.arange(self.batch.n) != i)
+            self.batch.keep([j != i for j in range(self.batch.n)])
         self.scheduler.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
@@ -184,13 +185,13 @@ class SimEngine:
         """Write the batch's counters back to its requests and empty it."""
         batch = self.batch
         if batch.n:
-            for r, c, o in zip(self.scheduler.running, batch.computed.tolist(), batch.out.tolist()):
+            for r, c, o in zip(self.scheduler.running, batch.computed, batch.out):
                 r.num_computed_tokens, r.num_out = c, o
             batch.clear()
 
     def _settle_one(self, i: int) -> None:
         r, batch = self.scheduler.running[i], self.batch
-        r.num_computed_tokens, r.num_out = int(batch.computed[i]), int(batch.out[i])
+        r.num_computed_tokens, r.num_out = batch.computed[i], batch.out[i]
 
     def run_length(self) -> int:
         """How many steps, decode-only or beside one prompt's chunks, are certain from here (0: schedule
@@ -223,7 +224,7 @@ class SimEngine:
         if s.waiting and not self._waiting_blocked(b):
             return 0
         if batch.min_left is None:
-            batch.min_left = int((batch.max_tokens - batch.out).min())
+            batch.min_left = min(t - o for t, o in zip(batch.max_tokens, batch.out))
         k = batch.min_left
         free, bs = self.blocks.num_free, self.blocks.block_size
         computed, held = batch.computed, batch.held
@@ -275,7 +276,7 @@ class SimEngine:
         k = len(chunks)
         if b:
             if batch.min_left is None:
-                batch.min_left = int((batch.max_tokens - batch.out).min())
+                batch.min_left = min(t - o for t, o in zip(batch.max_tokens, batch.out))
             k = min(k, batch.min_left)
         bs, free, c0 = self.blocks.block_size, self.blocks.num_free, p.num_computed_tokens
         while k and (blocks_needed(batch.computed, batch.held, k, bs) if b else 0) \
@@ -310,13 +311,19 @@ class SimEngine:
         batch, pc = self.batch, self._chunks
         b, joined = batch.n, batch.joined
         if pc is None:
-            d = self.model.decode_run(b, int(batch.computed.sum()), k) * self.contention(shared)
+            d = self.model.decode_run(b, sum(batch.computed), k)
+            c = self.contention(shared)
+            if c != 1.0:
+                d = [x * c for x in d]
             if self._spread:
-                d = d * step_jitter(self._spread, self._stream, self.num_steps, k)
-            gap = np.full(k, self.model.gap(b))
-            gap[0] = 0.0                                       # the first step starts at `start`
-            ends = start + np.cumsum(d + gap)
-            starts = ends - d
+                d = [x * j for x, j in zip(d, step_jitter(self._spread, self._stream, self.num_steps, k).tolist())]
+            gap, at = self.model.gap(b), 0.0
+            starts, ends = [], []
+            for i, x in enumerate(d):                          # the first step starts at `start`
+                at += x + gap if i else x
+                end = start + at
+                ends.append(end)
+                starts.append(end - x)
         else:
             starts, ends = self._chunk_steps(pc, b, k, start, self.contention(shared))
         first = float(starts[0])
@@ -342,16 +349,15 @@ class SimEngine:
             p.first_scheduled_time = start
         pc.held = len(p.block_ids)
         jitter = [step_jitter(self._spread, self._stream, self.num_steps + i) for i in range(k)] if self._spread else None
-        return chunk_step_times(self.model, pc, b, int(self.batch.computed.sum()) if b else 0, start, contention,
+        return chunk_step_times(self.model, pc, b, sum(self.batch.computed), start, contention,
                                 jitter)
 
     def cut_after(self, run: DecodeRun, t: float) -> int:
         """Steps of the run that still go ahead when new work reaches the worker at `t`: every step
         scheduled before t (the work waits for the first step scheduled after it)."""
-        m = int(np.searchsorted(run.starts, t, side="left"))
-        return max(1, min(m, run.k))
+        return max(1, min(bisect_left(run.starts, t), run.k))
 
-    def apply_run(self, run: DecodeRun, m: int) -> tuple[np.ndarray | None, list[tuple[SimRequest, str]], tuple | None]:
+    def apply_run(self, run: DecodeRun, m: int) -> tuple[list | None, list[tuple[SimRequest, str]], tuple | None]:
         """Advance the batch, and a chunk run's prompt, by the run's first m steps (blocks allocated
         through the BlockManager). Returns which of the run's b requests go on (a bool each; None: all
         of them), the others with their finish reason, settled and out of the batch, and the prompt's
@@ -361,20 +367,24 @@ class SimEngine:
         batch = self.batch
         if batch.n != run.b or batch.computed is not run.computed:
             raise RuntimeError("the batch changed while its decode run was in flight")
-        bs = self.blocks.block_size
-        after = run.computed + m
-        need = -(-after // bs)
-        grow = np.flatnonzero(need > run.blocks0)            # requests that need a new block
+        bs, blocks = self.blocks.block_size, self.blocks
+        after = [c + m for c in run.computed]
+        grow = []                                            # requests that need a new block
+        for i, (a, h) in enumerate(zip(after, run.blocks0)):
+            if -(-a // bs) > h:
+                grow.append(i)
         running = self.scheduler.running
-        if len(grow):
-            if len(grow) > self.blocks.num_free:
-                raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {self.blocks.num_free} free")
-            for i, n in zip(grow.tolist(), after[grow].tolist()):
-                self.blocks.allocate(running[i].block_ids, n)
-            batch.held = np.maximum(run.blocks0, need)
-        batch.computed, batch.out = after, batch.out + m
+        if grow:
+            if len(grow) > blocks.num_free:
+                raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {blocks.num_free} free")
+            held = list(run.blocks0)
+            for i in grow:
+                blocks.allocate(running[i].block_ids, after[i])
+                held[i] = -(-after[i] // bs)
+            batch.held = held
+        batch.computed, batch.out = after, [o + m for o in batch.out]
         self.num_steps += m
-        last = float(run.ends[m - 1])
+        last = run.ends[m - 1]
         first_token = None
         pc = run.prompt
         if pc is not None:
@@ -386,8 +396,8 @@ class SimEngine:
         if m < run.finishing:                       # nobody's last token before the run's full length
             batch.min_left = run.finishing - m
             return None, [], first_token
-        goes_on = batch.out < batch.max_tokens
-        ending = np.flatnonzero(~goes_on).tolist()
+        goes_on = [o < t for o, t in zip(batch.out, batch.max_tokens)]
+        ending = [i for i, g in enumerate(goes_on) if not g]
         for i in ending:
             self._settle_one(i)
         ending = [running[i] for i in ending]
@@ -402,11 +412,13 @@ class SimEngine:
         """The run's first m steps as steps.jsonl columns (arrays), blocks counted step by step."""
         bs = self.blocks.block_size
         i = np.arange(1, m + 1)
-        held = np.maximum(run.blocks0[:, None], -(-(run.computed[:, None] + i[None, :]) // bs))   # [b, m]
-        used = run.used0 + (held - run.blocks0[:, None]).sum(axis=0)
+        blocks0 = np.array(run.blocks0, dtype=np.int64)[:, None]
+        computed = np.array(run.computed, dtype=np.int64)[:, None]
+        held = np.maximum(blocks0, -(-(computed + i[None, :]) // bs))   # [b, m]
+        used = run.used0 + (held - blocks0).sum(axis=0)
         pc, prefill = run.prompt, None
         if pc is not None:
             prefill = np.array(pc.chunks[:m], dtype=np.int64)
             used = used + np.maximum(0, -(-(pc.start + np.cumsum(prefill)) // bs) - pc.held)
-        return {"start": run.starts[:m], "end": run.ends[:m], "b": run.b, "used": used, "waiting": num_waiting,
-                "prefill": prefill}
+        return {"start": np.array(run.starts[:m]), "end": np.array(run.ends[:m]), "b": run.b, "used": used,
+                "waiting": num_waiting, "prefill": prefill}

@@ -192,7 +192,7 @@ class MeasuredStepModel:
                  + (self._at(self._dattl, b, max(mean_ctx, 1.0)) if b else 0.0))
         return t if math.isfinite(t) else self._fall(f)
 
-    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
+    def decode_run(self, b: int, context: int, k: int) -> list[float]:
         ctx = (context + b * np.arange(k, dtype=np.float64)) / b
         if b > self._b_max or ctx[-1] > self._c[-1]:
             self.fallback_steps += k
@@ -206,7 +206,7 @@ class MeasuredStepModel:
         if not (self._dec_finite[i] and self._dec_finite[j]) and not np.isfinite(t).all():
             self.fallback_steps += k
             return self.fallback.decode_run(b, context, k)
-        return t
+        return t.tolist()
 
     def to_dict(self) -> dict:
         t = self.tables

@@ -1,7 +1,7 @@
 """The simulated router's records, and the files a run writes from them (docs/run-directory.md).
 
 `Record` is router/journey.py's JourneyRecord (the fields requests.jsonl shows, as the router's), with the token
-times kept as floats and numpy arrays (a decode run's steps, shared by its requests): as there, two
+times kept as floats and lists (a decode run's steps, shared by its requests): as there, two
 times per token, when it was made (its step's end: TTFT, TPOT, ITL) and when it reached the router
 (`client_*`); the simulated router's clock is the workers' clock;
 `Attempt` is router/journey.py's Journey with the simulator's own fields. `request_row` writes a row exactly as
@@ -32,7 +32,7 @@ class Record(JourneyRecord):
     prompt_len: int
     max_tokens: int
     arrival_s: float
-    times: list = field(default_factory=list)      # when each token was made: floats and arrays, in order
+    times: list = field(default_factory=list)      # when each token was made: floats and lists, in order
     client: list = field(default_factory=list)     # when each reached the router, likewise
     num_out: int = 0
     first_time: float | None = None
@@ -42,7 +42,7 @@ class Record(JourneyRecord):
     index: int = 0                                 # its place in the run's arrivals (Gaps' owner)
 
     def add_times(self, t, at, n: int) -> None:
-        """n tokens made at time(s) t, reaching the router at `at` (floats, or arrays of n)."""
+        """n tokens made at time(s) t, reaching the router at `at` (floats, or lists of n)."""
         if n == 0:
             return
         if self.keep:
@@ -83,12 +83,12 @@ class Gaps:
         self.made.append(made)
         self.got.append(got)
 
-    def run(self, owners: np.ndarray, ends: np.ndarray, at: np.ndarray,
-            lead: tuple[float, float] = (np.nan, np.nan)) -> None:
+    def run(self, owners: list, ends: list, at: list, lead: tuple[float, float] = (np.nan, np.nan)) -> None:
         """A decode run's steps ending at `ends` (reaching the router at `at`) advanced these owners,
-        whose previous tokens were all made at lead[0] and got at lead[1] (NaN: none in common)."""
+        whose previous tokens were all made at lead[0] and got at lead[1] (NaN: none in common).
+        Kept as arrays: a large run keeps many."""
         if len(owners) and (len(ends) > 1 or lead[0] == lead[0]):
-            self.runs.append((owners, ends, at, lead))
+            self.runs.append((np.array(owners, dtype=np.int64), np.array(ends), np.array(at), lead))
 
     def pooled(self, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(made gaps, got gaps, weights) of the requests where `ok` (a bool per owner) holds: each
@@ -114,9 +114,6 @@ class Gaps:
                 np.concatenate([np.ones(len(made)), np.repeat(w, lens - 1), w[has]]))
 
 
-_NONE = np.zeros(0, dtype=np.int64)
-
-
 class Ledger:
     """The records of a worker's decode batch (experiments/sim/engine.py's Batch), member for member.
 
@@ -132,7 +129,7 @@ class Ledger:
 
     def clear(self) -> None:
         self.n = 0
-        self.owner = self.since = _NONE                    # since: history runs the record has
+        self.owner, self.since = [], []       # since: history runs the record has
         self.dead = 0                         # members whose attempt is no longer live (owner -1)
         self.behind = False                   # some member's record lacks a run of the history
         self.steps = [0]                      # steps before each run of the history, and after the last
@@ -141,23 +138,19 @@ class Ledger:
 
     def join(self, owners: list[int]) -> None:
         """Members whose records are up to date with the history so far."""
-        since = np.full(len(owners), len(self.made), dtype=np.int64)
-        if self.n:
-            self.owner, self.since = np.concatenate([self.owner, owners]), np.concatenate([self.since, since])
-        else:
-            self.owner, self.since = np.array(owners, dtype=np.int64), since
+        self.owner = self.owner + owners
+        self.since = self.since + [len(self.made)] * len(owners)
         self.n += len(owners)
         self.dead += owners.count(-1)
 
     def run(self, ends: np.ndarray, at: np.ndarray, m: int, continuing: int, gaps: "Gaps | None") -> None:
         """A decode run of m steps that advanced the first `continuing` members with the rest."""
         if gaps is not None and continuing and self.made:
-            owners = self.owner[:continuing]
-            gaps.run(owners[owners >= 0], ends, at, (self.made[-1], self.got[-1]))
+            gaps.run([o for o in self.owner[:continuing] if o >= 0], ends, at, (self.made[-1], self.got[-1]))
         self.behind = self.behind or continuing > 0
         self.steps.append(self.steps[-1] + m)
-        self.made.append(float(ends[-1]))
-        self.got.append(float(at[-1]))
+        self.made.append(ends[-1])
+        self.got.append(at[-1])
         if Record.keep:
             self.parts.append((ends, at))
 
@@ -165,7 +158,7 @@ class Ledger:
         """Bring member i's record (and its attempt's token count) up to date with the history."""
         if i >= self.n:
             return
-        j0, j = int(self.since[i]), len(self.made)
+        j0, j = self.since[i], len(self.made)
         if self.owner[i] >= 0 and j > j0 and att is not None:
             self._bring(att, j0, j)
         self.since[i] = j
@@ -184,7 +177,7 @@ class Ledger:
         """flush every member (requests `reqs`, in the batch's order), then forget them."""
         j = len(self.made)
         if self.behind:
-            for req, owner, j0 in zip(reqs, self.owner.tolist(), self.since.tolist()):
+            for req, owner, j0 in zip(reqs, self.owner, self.since):
                 if owner >= 0 and j > j0 and req.attempt is not None:
                     self._bring(req.attempt, j0, j)
         self.clear()
@@ -198,16 +191,17 @@ class Ledger:
     def drop(self, i: int) -> None:
         """Member i leaves (an abort), if it has an entry yet."""
         if i < self.n:
-            self.keep(np.arange(self.n) != i)
+            self.keep([j != i for j in range(self.n)])
 
-    def keep(self, mask: np.ndarray) -> None:
+    def keep(self, mask: list) -> None:
         """Only the members where `mask` holds stay (flushed first by the caller where it matters)."""
-        self.owner, self.since = self.owner[mask], self.since[mask]
+        self.owner = [x for x, k in zip(self.owner, mask) if k]
+        self.since = [x for x, k in zip(self.since, mask) if k]
         self.n = len(self.owner)
         if not self.n:
             self.clear()
         elif self.dead:
-            self.dead = int(np.count_nonzero(self.owner < 0))
+            self.dead = self.owner.count(-1)
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:

@@ -5,7 +5,7 @@ that the scheduler could admit (the queue is empty, the batch is full, or the fi
 cannot get its blocks: free blocks only shrink while decodes run), and the blocks the decodes will
 take over the next k steps are free, then the next k steps are known without scheduling them: each
 request gains one token per step, the first to finish ends the run. `start_run` computes those k
-steps' times in one numpy call; `apply_run` advances every request by the m <= k steps that ran (a run
+steps' times; `apply_run` advances every request by the m <= k steps that ran (a run
 is cut short when work arrives) and allocates their blocks through the BlockManager. The step sequence
 is the one the scheduler would have produced (tests/test_sim_validate.py replays a recorded engine trace).
 
@@ -18,8 +18,8 @@ first token (where that step leaves budget to a waiting prompt, up to the step b
 decode's last token, or the free blocks' end. Scheduling every step gives the same steps, records and
 loads (tests/test_sim_runs.py).
 
-Between runs the decodes' counters live in a `Batch` (arrays over the first n running requests), so
-a run costs a few array operations plus what changed: a request joining, finishing or taking a block.
+Between runs the decodes' counters live in a `Batch` (lists over the first n running requests), so
+a run costs a pass over its requests plus what changed: a request joining, finishing or taking a block.
 They are written back to the requests (`settle`) before anything else reads them: the scheduler's
 next step, an abort, the end of the simulation.
 """
@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
-
-def blocks_needed(computed: np.ndarray, held: np.ndarray, steps: int, block_size: int) -> int:
+def blocks_needed(computed: list, held: list, steps: int, block_size: int) -> int:
     """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
-    return int(np.maximum(0, -(-(computed + steps) // block_size) - held).sum())
+    n = 0
+    for c, h in zip(computed, held):
+        x = -(-(c + steps) // block_size) - h
+        if x > 0:
+            n += x
+    return n
 
 
 @dataclass(slots=True)
@@ -40,10 +43,10 @@ class DecodeRun:
     """k steps of the same decodes (and, in a chunk run, one prompt's chunks), advanced in one event."""
 
     b: int                     # the running decodes: the first b of the scheduler's running list
-    starts: np.ndarray         # [k] step start times
-    ends: np.ndarray           # [k] step end times
-    computed: np.ndarray       # [b] num_computed_tokens of each request at the run's start
-    blocks0: np.ndarray        # [b] blocks each held at the start
+    starts: list               # [k] step start times
+    ends: list                 # [k] step end times
+    computed: list             # [b] num_computed_tokens of each request at the run's start
+    blocks0: list              # [b] blocks each held at the start
     used0: int                 # blocks in use at the start
     finishing: int             # steps until the first request finishes (the run's length, or more
                                # when the free blocks cut it shorter)
@@ -68,20 +71,18 @@ class PromptChunks:
     held: int = 0              # blocks it held at the run's start
 
 
-_NONE = np.zeros(0, dtype=np.int64)
-
-
 class Batch:
     """The counters of the running decodes between runs, for the first n of the scheduler's running list
     in its order (requests join at its end; `settle` writes them back): tokens computed, KV blocks held,
-    outputs made and asked for."""
+    outputs made and asked for. Plain lists: a batch is mostly a few requests, where a numpy call costs
+    more than a loop over them. Each change makes new lists (a run in flight holds the ones it began with)."""
 
     def __init__(self):
         self.clear()
 
     def clear(self) -> None:
         self.n = 0
-        self.computed = self.held = self.out = self.max_tokens = _NONE
+        self.computed, self.held, self.out, self.max_tokens = [], [], [], []
         self.joined = 0                        # the last `joined` members have run in no decode run yet
         self.min_left = 1 << 62                # the fewest tokens a member has left (None: not known)
 
@@ -90,20 +91,17 @@ class Batch:
         tokens computed, blocks held, outputs made and asked for (the fewest left: min_left)."""
         if self.min_left is not None:
             self.min_left = min(self.min_left, min_left)
-        if self.n:
-            cat = np.concatenate
-            self.computed, self.held = cat([self.computed, computed]), cat([self.held, held])
-            self.out, self.max_tokens = cat([self.out, out]), cat([self.max_tokens, max_tokens])
-        else:
-            self.computed, self.held = np.array(computed, dtype=np.int64), np.array(held, dtype=np.int64)
-            self.out, self.max_tokens = np.array(out, dtype=np.int64), np.array(max_tokens, dtype=np.int64)
+        self.computed, self.held = self.computed + computed, self.held + held
+        self.out, self.max_tokens = self.out + out, self.max_tokens + max_tokens
         self.n += len(computed)
         self.joined += len(computed)
 
-    def keep(self, mask: np.ndarray) -> None:
+    def keep(self, mask: list) -> None:
         """Only the members where `mask` holds stay, in order."""
-        self.computed, self.held = self.computed[mask], self.held[mask]
-        self.out, self.max_tokens = self.out[mask], self.max_tokens[mask]
+        self.computed = [x for x, k in zip(self.computed, mask) if k]
+        self.held = [x for x, k in zip(self.held, mask) if k]
+        self.out = [x for x, k in zip(self.out, mask) if k]
+        self.max_tokens = [x for x, k in zip(self.max_tokens, mask) if k]
         self.n = len(self.computed)
         self.min_left = None
 
@@ -124,7 +122,7 @@ def prompt_chunks(left: int, room: int, others_wait: bool) -> tuple[list[int], i
 
 
 def chunk_step_times(model, pc: PromptChunks, b: int, context: int, start: float, contention: float,
-                     jitter: list | None) -> tuple[np.ndarray, np.ndarray]:
+                     jitter: list | None) -> tuple[list, list]:
     """(starts, ends) of a chunk run's steps: b decodes at `context` summed tokens (growing by b a step)
     beside pc's chunks, each step priced as a scheduled one (the same features, the same arithmetic,
     times its `jitter`) and the next one starting the host gap of b + 1 sequences after it."""
@@ -139,4 +137,4 @@ def chunk_step_times(model, pc: PromptChunks, b: int, context: int, start: float
         ends.append(at)
         at += gap
         done += n
-    return np.array(starts), np.array(ends)
+    return starts, ends

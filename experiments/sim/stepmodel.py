@@ -26,8 +26,8 @@ host time between two steps of one worker (scheduling, post-processing, the work
   them (its docstring), generalised to chunks that start past token 0 (they read the KV before them).
 
 Both give `decode_run(b, context, k)`: the durations of k decode-only steps of b sequences whose
-summed context starts at `context` and grows by b per step, in one numpy call (the simulator advances
-such runs in one event).
+summed context starts at `context` and grows by b per step, as a list (the simulator advances such
+runs in one event).
 """
 from __future__ import annotations
 
@@ -139,9 +139,10 @@ class LinearStepModel:
     def gap(self, num_seqs: int) -> float:
         return self._g0 + self._g1 * num_seqs
 
-    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
-        c = self._c
-        return self._kd * (c[0] + c[1] * b + c[2] * (context + b * np.arange(k, dtype=np.float64)))
+    def decode_run(self, b: int, context: int, k: int) -> list[float]:
+        c, kd = self._c, self._kd
+        base, c2 = c[0] + c[1] * b, c[2]
+        return [kd * (base + c2 * float(context + b * i)) for i in range(k)]
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "terms": list(self.terms), "coef": list(self.coef),
@@ -206,11 +207,14 @@ class RooflineStepModel:
     def gap(self, num_seqs: int) -> float:
         return self.gap_coef[0] + self.gap_coef[1] * num_seqs
 
-    def decode_run(self, b: int, context: int, k: int) -> np.ndarray:
-        ctx = context + b * np.arange(k, dtype=np.float64)
-        flops = self._flop_token * b + self._flop_row * b + self._flop_pair * (b + ctx)
-        nbytes = self._bytes_fixed + self._bytes_token * b + self._bytes_ctx * ctx
-        return self.overhead_s + np.maximum(flops / self._peak, nbytes / self._bw)
+    def decode_run(self, b: int, context: int, k: int) -> list[float]:
+        flops0, nbytes0 = self._flop_token * b + self._flop_row * b, self._bytes_fixed + self._bytes_token * b
+        pair, ctx_bytes, peak, bw, over = self._flop_pair, self._bytes_ctx, self._peak, self._bw, self.overhead_s
+        out = []
+        for i in range(k):
+            ctx = float(context + b * i)
+            out.append(over + max((flops0 + pair * (b + ctx)) / peak, (nbytes0 + ctx_bytes * ctx) / bw))
+        return out
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "hardware": asdict(self.hw), "dtype_bytes": self.dtype_bytes,

@@ -13,8 +13,6 @@ the steps of a run in flight that ended before then), and at the end.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from experiments.sim.records import Attempt, Record
 from experiments.sim.worker import SimWorker
 from workers.config import blocks_for
@@ -41,7 +39,7 @@ class WorkerSteps:
         if m < w.run_steps:
             w.run_steps = m
             w.version += 1
-            self.push(float(w.run.ends[m - 1]), self._run_end, w, w.version)
+            self.push(w.run.ends[m - 1], self._run_end, w, w.version)
 
     def _busy(self, w: SimWorker, busy: bool) -> None:
         """w gets work or goes idle. Each other busy worker of the host whose sharing that changes
@@ -122,7 +120,7 @@ class WorkerSteps:
             joiners = e.scheduler.running[run.b - run.joined:run.b]
             w.run_live = run.b - w.ledger.dead - sum(r.attempt is None or not r.attempt.live for r in joiners)
             self.in_run.add(w)
-            self.push(float(run.ends[-1]), self._run_end, w, w.version)
+            self.push(run.ends[-1], self._run_end, w, w.version)
             return
         self._settle(w)
         sched, d = e.schedule(shared)
@@ -170,7 +168,7 @@ class WorkerSteps:
             entry["used"][-1] = e.blocks.num_used
             entry["running_last"] = len(e.scheduler.running)
         ends = run.ends[:m]
-        end = w.last_end = float(run.ends[m - 1])
+        end = w.last_end = run.ends[m - 1]
         t, export = end, None
         if first is not None and first[1] == "handoff":    # the prompt's KV is exported after its last step
             if self.cfg.stream == "off":
@@ -185,7 +183,7 @@ class WorkerSteps:
         ledger.run(ends, at, m, b - joined, self.gaps)
         if joined:
             ledger.join(self._first_run(members[b - joined:], ends, at, m))
-        for i in ([] if goes_on is None else np.flatnonzero(~goes_on).tolist()):
+        for i in ([] if goes_on is None else [i for i, g in enumerate(goes_on) if not g]):
             req = members[i]
             att = req.attempt
             ledger.flush(i, att)
@@ -196,16 +194,16 @@ class WorkerSteps:
         if goes_on is not None:
             ledger.keep(goes_on)
         if first is not None:
-            self._on_token(first[0], first[1], float(run.starts[m - 1]), end, float(at[-1]))
+            self._on_token(first[0], first[1], run.starts[m - 1], end, at[-1])
         if export is not None:
             self._send_kv(w, *export)
         self._next(w, t, b + (run.prompt is not None))
 
-    def _first_run(self, reqs: list, ends: np.ndarray, at: np.ndarray, m: int) -> list[int]:
+    def _first_run(self, reqs: list, ends: list, at: list, m: int) -> list[int]:
         """The records of requests in their first decode run of the batch, brought up to date one by one
         (their previous token is their own); returns each one's owner for the ledger (-1: not live)."""
         keep, gaps = Record.keep, self.gaps
-        f0, fl, c0, cl = float(ends[0]), float(ends[-1]), float(at[0]), float(at[-1])
+        f0, fl, c0, cl = ends[0], ends[-1], at[0], at[-1]
         owners, live, into, into_at, mine = [], [], [], [], []
         for req in reqs:
             att = req.attempt
@@ -234,7 +232,7 @@ class WorkerSteps:
             gaps.owner += mine
             gaps.made += into
             gaps.got += into_at
-            gaps.run(np.array(live, dtype=np.int64), ends, at)
+            gaps.run(live, ends, at)
         return owners
 
     def _settle(self, w: SimWorker) -> None:
@@ -256,8 +254,8 @@ class WorkerSteps:
         if w.state == "run" and i < run.b and live:
             m = w.steps_ended(self.now)
             if m:                                   # the steps of the run in flight that ended before now
-                ends = run.ends[:m].copy()
-                self._first_run([req], ends, np.maximum(ends + self.costs.return_s, w.delivered), m)
+                ends, r = run.ends[:m], self.costs.return_s        # (a copy: the run's last end may move)
+                self._first_run([req], ends, [max(e + r, w.delivered) for e in ends], m)
             w.run_live -= 1                         # its later steps are no one's load; its first m are
             self.loads[w.rank].kv_tokens += m - w.run_seen       # in its count, which closing it takes off
 
@@ -267,9 +265,10 @@ class WorkerSteps:
         w.delivered = max(t + self.costs.return_s, w.delivered)
         return w.delivered
 
-    def _deliveries(self, w: SimWorker, ends: np.ndarray) -> np.ndarray:
-        at = np.maximum(ends + self.costs.return_s, w.delivered)
-        w.delivered = float(at[-1])
+    def _deliveries(self, w: SimWorker, ends: list) -> list:
+        r, d = self.costs.return_s, w.delivered
+        at = [max(e + r, d) for e in ends]
+        w.delivered = at[-1]
         return at
 
     def _next(self, w: SimWorker, t: float, num_seqs: int) -> None:

@@ -12,10 +12,9 @@ flight), run (a decode run in flight; cut short by new work), start (a step star
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from experiments.sim.engine import SimEngine
 from experiments.sim.runs import DecodeRun
@@ -78,12 +77,12 @@ class SimWorker:
         """(start, end) of its step in flight: the scheduled one, or the last one of its run that goes ahead."""
         if self.state == "run":
             m = self.run_steps
-            return float(self.run.starts[m - 1]), float(self.run.ends[m - 1])
+            return self.run.starts[m - 1], self.run.ends[m - 1]
         return self.step_start, self.step_end
 
     def steps_ended(self, now: float) -> int:
         """Steps of its run in flight that go ahead and ended by `now`."""
-        return int(np.searchsorted(self.run.ends[:self.run_steps], now, side="right"))
+        return bisect_right(self.run.ends, now, 0, self.run_steps)
 
     def move_end(self, end: float) -> None:
         """Its step in flight now ends at `end` (the caller queues the event for it)."""
