@@ -272,32 +272,47 @@ def test_plans_sharing_simulations_choose_as_plans_on_their_own_and_run_fewer():
     assert 0 < together[2]["num_sims"] < alone[2]["num_sims"]
 
 
-def test_lazy_block_manager_hands_out_the_real_one_s_blocks():
+def test_the_counting_block_manager_decides_as_the_real_one():
     import random
 
-    from experiments.sim.blocks import LazyBlockManager
+    from experiments.sim.blocks import CountingBlockManager
     from workers.block_manager import BlockManager
 
     rnd = random.Random(3)
-    real, lazy = BlockManager(40, 4), LazyBlockManager(40, 4)
-    tables_r, tables_l = [], []
+    real, counting = BlockManager(40, 4), CountingBlockManager(40, 4)
+    tables_r, tables_c = [], []
     for _ in range(400):
         if tables_r and rnd.random() < 0.4:
             i = rnd.randrange(len(tables_r))
             real.free(tables_r.pop(i))
-            lazy.free(tables_l.pop(i))
+            counting.free(tables_c.pop(i))
         else:
             n = rnd.randint(1, 30)
-            assert real.can_allocate([], n) == lazy.can_allocate([], n)
-            if real.can_allocate([], n):
-                tr, tl = [], []
+            grow = tables_r and rnd.random() < 0.5          # a table that grows, or a new one
+            i = rnd.randrange(len(tables_r)) if grow else None
+            tr, tc = (tables_r[i], tables_c[i]) if grow else ([], [])
+            n += len(tr) * 4
+            assert real.can_allocate(tr, n) == counting.can_allocate(tc, n)
+            if real.can_allocate(tr, n):
                 real.allocate(tr, n)
-                lazy.allocate(tl, n)
-                tables_r.append(tr)
-                tables_l.append(tl)
-        assert tables_r == tables_l and real.num_free == lazy.num_free
-        lazy.check()
-    assert len(lazy.ref_counts) == lazy._free.fresh      # counts only for blocks ever handed out
+                counting.allocate(tc, n)
+                if not grow:
+                    tables_r.append(tr)
+                    tables_c.append(tc)
+            else:
+                with pytest.raises(RuntimeError, match="KV blocks with"):
+                    counting.allocate(tc, n)
+        assert [len(t) for t in tables_r] == [len(t) for t in tables_c]
+        assert (real.num_free, real.num_used) == (counting.num_free, counting.num_used)
+        counting.check()
+    for t in tables_c:
+        counting.free(t)
+    assert counting.num_free == 40
+    table = []
+    counting.allocate(table, 8)
+    counting.free(table)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        counting.free(table)
 
 
 # -- the commands -----------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """One simulated worker's engine: pdlab's own Scheduler and BlockManager, a step-time model for the forward.
 
 `SimEngine` holds a real `workers.scheduler.Scheduler` over `workers.block_manager.BlockManager`'s
-logic (with storage for the blocks in use only: experiments/sim/blocks.py) and post-processes each scheduled step as `workers.engine.Engine.step` does (computed tokens advance,
-a chunk that catches its request up samples a token, a request ends on `max_tokens` or, on a prefill
-worker, hands off after its first token), with the step's duration from the step model instead of a
-forward pass. Requests are `SimRequest`s: workers.request.Request with counters in place of token
+decisions (over counts of blocks: experiments/sim/blocks.py) and post-processes each scheduled step
+as `workers.engine.Engine.step` does (computed tokens advance, a chunk that catches its request up
+samples a token, a request ends on `max_tokens` or, on a prefill worker, hands off after its first
+token), with the step's duration from the step model instead of a forward pass. Requests are `SimRequest`s: workers.request.Request with counters in place of token
 lists (prompt and output lengths are all the scheduler reads), so a million requests fit in memory.
 Token values are not simulated: every request runs to its `max_tokens` (the workloads ask ignore_eos).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from experiments.sim.blocks import LazyBlockManager
+from experiments.sim.blocks import CountingBlockManager
 from workers.config import EngineConfig
 from workers.request import Request, SamplingParams, Status
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -77,7 +77,7 @@ class SimEngine:
     def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True, stream: int = 0):
         self.cfg = cfg
         self.model = model
-        self.blocks = LazyBlockManager(num_blocks, cfg.block_size)
+        self.blocks = CountingBlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.fast_forward = fast_forward
         self.num_steps = 0
