@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.pool import bundle_order
+from cluster.bundles import bundle_order
 from cluster.ray_cluster import ClusterError
 from router.config import FaultConfig, RouterConfig
 from router.router import Router

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.pool import WorkerHandle, assign_bundles
+from cluster.bundles import assign_bundles
+from cluster.pool import WorkerHandle
 from cluster.transfer.base import TransferConfig
 from router.config import RouterConfig
 from router.placement import never_fits

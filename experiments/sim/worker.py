@@ -16,6 +16,7 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.bundles import assign_bundles
 from experiments.sim.engine import SimEngine
 from experiments.sim.runs import DecodeRun
 from experiments.sim.records import Ledger
@@ -137,11 +138,9 @@ class HostLoad:
 
 def nodes_of(roles: list[str], gpus_per_node: int, placement: str) -> list[int]:
     """The node of each rank: one host when gpus_per_node is 0, else bundles filled node by node (pack)
-    or dealt round-robin (spread), and ranks given to bundles as cluster/pool.py's assign_bundles does."""
+    or dealt round-robin (spread), and ranks given to bundles as the real pool gives them."""
     if not gpus_per_node or len(roles) <= gpus_per_node:
         return [0] * len(roles)
-    from cluster.pool import assign_bundles
-
     num_nodes = -(-len(roles) // gpus_per_node)
     spread = placement in ("spread", "strict_spread")
     bundle_nodes = [str(b % num_nodes if spread else b // gpus_per_node) for b in range(len(roles))]
