@@ -6,7 +6,7 @@ a step costs 1 ms plus 0.01 ms per prompt token plus 0.1 ms per decode (unless a
 import pytest
 
 from experiments.sim.costs import Costs
-from experiments.sim.engine import sim_request
+from experiments.sim.request import sim_request
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import Arrival, SimConfig, Simulator
 from experiments.sim.stepmodel import LinearStepModel, RooflineStepModel, chunk_features, features

@@ -3,7 +3,8 @@ blocks and router loads (experiments/sim/runs.py)."""
 import numpy as np
 import pytest
 
-from experiments.sim.engine import SimEngine, sim_request
+from experiments.sim.engine import SimEngine
+from experiments.sim.request import sim_request
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import Arrival, SimConfig, Simulator
 from experiments.sim.stepmodel import LinearStepModel

@@ -4,8 +4,8 @@
 decisions (over counts of blocks: experiments/sim/blocks.py) and post-processes each scheduled step
 as `workers.engine.Engine.step` does (computed tokens advance, a chunk that catches its request up
 samples a token, a request ends on `max_tokens` or, on a prefill worker, hands off after its first
-token), with the step's duration from the step model instead of a forward pass. Requests are `SimRequest`s: workers.request.Request with counters in place of token
-lists (prompt and output lengths are all the scheduler reads), so a million requests fit in memory.
+token), with the step's duration from the step model instead of a forward pass. Requests are `SimRequest`s (experiments/sim/request.py): workers.request.Request with counters in
+place of token lists, so a million requests fit in memory.
 Token values are not simulated: every request runs to its `max_tokens` (the workloads ask ignore_eos).
 
 Runs of steps that are certain without scheduling them (decode runs, chunk runs) are advanced in
@@ -17,53 +17,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-import numpy as np
-
 from experiments.sim.blocks import CountingBlockManager
 from workers.config import EngineConfig
-from workers.request import Request, SamplingParams, Status
+from workers.request import Status
 from workers.scheduler import Scheduler, SchedulerOutput
 
+from experiments.sim.request import SimRequest
 from experiments.sim.runs import Batch, DecodeRun, PromptChunks, blocks_needed, chunk_step_times, prompt_chunks
 from experiments.sim.stepmodel import features, step_jitter
-
-_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # shared: a SimRequest reads max_tokens of its own
-
-
-@dataclass(eq=False, slots=True)
-class SimRequest(Request):
-    """A Request whose prompt and outputs are counts: `num_tokens` = prompt_len + num_out."""
-
-    prompt_len: int = 0
-    max_tokens: int = 1
-    num_out: int = 0
-    attempt: object = None                         # the router's attempt this engine serves it for
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.prompt_len
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + self.num_out
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_out
-
-    @property
-    def is_prefill(self) -> bool:                  # Request.is_prefill over the counters, read every step
-        return self.prompt_len + self.num_out - self.num_computed_tokens > 1
-
-    @property
-    def output_ids(self) -> list[int]:
-        return []
-
-
-def sim_request(rid: str, prompt_len: int, max_tokens: int, arrival: float, hand_off: bool = False) -> SimRequest:
-    return SimRequest(id=rid, prompt_ids=[], params=_PARAMS, arrival_time=arrival, prompt_len=prompt_len,
-                      max_tokens=max_tokens, hand_off=hand_off)
-
 
 @dataclass(slots=True)
 class StepDone:
@@ -407,18 +368,3 @@ class SimEngine:
             r.num_out -= 1
             done.append((r, self._token(r, last)))   # the last step's token, and the request's end
         return goes_on, done, first_token
-
-    def run_steps(self, run: DecodeRun, m: int, num_waiting: int) -> dict:
-        """The run's first m steps as steps.jsonl columns (arrays), blocks counted step by step."""
-        bs = self.blocks.block_size
-        i = np.arange(1, m + 1)
-        blocks0 = np.array(run.blocks0, dtype=np.int64)[:, None]
-        computed = np.array(run.computed, dtype=np.int64)[:, None]
-        held = np.maximum(blocks0, -(-(computed + i[None, :]) // bs))   # [b, m]
-        used = run.used0 + (held - blocks0).sum(axis=0)
-        pc, prefill = run.prompt, None
-        if pc is not None:
-            prefill = np.array(pc.chunks[:m], dtype=np.int64)
-            used = used + np.maximum(0, -(-(pc.start + np.cumsum(prefill)) // bs) - pc.held)
-        return {"start": np.array(run.starts[:m]), "end": np.array(run.ends[:m]), "b": run.b, "used": used,
-                "waiting": num_waiting, "prefill": prefill}

@@ -10,7 +10,7 @@ retried by the router.
 """
 from __future__ import annotations
 
-from experiments.sim.engine import sim_request
+from experiments.sim.request import sim_request
 from experiments.sim.records import Attempt
 from experiments.sim.worker import SimWorker
 

@@ -263,7 +263,7 @@ def request_row(rec: Record, t0: float = 0.0) -> dict:
 
 def step_rows(worker: str, log: list):
     """steps.jsonl rows of one worker from its step log: tuples for scheduled steps, dicts of arrays
-    for runs (experiments/sim/engine.py's run_steps: decode-only, or beside a prompt's chunks)."""
+    for runs (experiments/sim/runs.py's logged_steps: decode-only, or beside a prompt's chunks)."""
     index = 0
     for entry in log:
         if isinstance(entry, tuple):

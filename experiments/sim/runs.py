@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def blocks_needed(computed: list, held: list, steps: int, block_size: int) -> int:
     """New blocks that requests at `computed` tokens holding `held` blocks take over `steps` more tokens."""
@@ -138,3 +140,18 @@ def chunk_step_times(model, pc: PromptChunks, b: int, context: int, start: float
         at += gap
         done += n
     return starts, ends
+
+
+def logged_steps(run: DecodeRun, m: int, block_size: int, num_waiting: int) -> dict:
+    """The run's first m steps as steps.jsonl columns (arrays), blocks counted step by step."""
+    i = np.arange(1, m + 1)
+    blocks0 = np.array(run.blocks0, dtype=np.int64)[:, None]
+    computed = np.array(run.computed, dtype=np.int64)[:, None]
+    held = np.maximum(blocks0, -(-(computed + i[None, :]) // block_size))   # [b, m]
+    used = run.used0 + (held - blocks0).sum(axis=0)
+    pc, prefill = run.prompt, None
+    if pc is not None:
+        prefill = np.array(pc.chunks[:m], dtype=np.int64)
+        used = used + np.maximum(0, -(-(pc.start + np.cumsum(prefill)) // block_size) - pc.held)
+    return {"start": np.array(run.starts[:m]), "end": np.array(run.ends[:m]), "b": run.b, "used": used,
+            "waiting": num_waiting, "prefill": prefill}

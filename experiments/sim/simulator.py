@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from cluster.transfer.base import TransferConfig
 from experiments.sim.costs import Costs
-from experiments.sim.engine import SimEngine, sim_request
+from experiments.sim.engine import SimEngine
+from experiments.sim.request import sim_request
 from experiments.sim.handoff import KVTransfers
 from experiments.sim.records import Attempt, Gaps, Record
 from experiments.sim.steps import WorkerSteps

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.bundles import assign_bundles
 from experiments.sim.engine import SimEngine
-from experiments.sim.runs import DecodeRun
+from experiments.sim.runs import DecodeRun, logged_steps
 from experiments.sim.records import Ledger
 
 
@@ -101,7 +101,7 @@ class SimWorker:
     def log_run(self, run: DecodeRun, m: int) -> dict | None:
         if not self.record_steps:
             return None
-        entry = self.engine.run_steps(run, m, len(self.engine.scheduler.waiting))
+        entry = logged_steps(run, m, self.engine.blocks.block_size, len(self.engine.scheduler.waiting))
         self.log.append(entry)
         return entry
 
