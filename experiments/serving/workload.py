@@ -183,11 +183,9 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, see
     arrivals = _arrivals(cfg, arrival_rng)
     prompt_lens = cfg.prompt_len.sample(prompt_rng, cfg.num_requests, cfg.length_scale)
     output_lens = cfg.output_len.sample(output_rng, cfg.num_requests, cfg.length_scale)
-    output_lens = np.clip(output_lens, 1, max_model_len - 1)                       # _fit, for all at once
-    prompt_lens = np.clip(prompt_lens, 1, np.maximum(1, max_model_len - output_lens))
     requests = []
-    for i, (t, prompt_len, max_tokens) in enumerate(zip(arrivals.tolist(), prompt_lens.tolist(),
-                                                         output_lens.tolist())):
+    for i, (t, n, out) in enumerate(zip(arrivals.tolist(), prompt_lens.tolist(), output_lens.tolist())):
+        prompt_len, max_tokens = _fit(n, out, max_model_len)
         ids = token_rng.integers(0, vocab_size, size=prompt_len).tolist() if token_ids else []
         requests.append(WorkloadRequest(f"r{i}", t, ids, max_tokens, prompt_len))
     return requests

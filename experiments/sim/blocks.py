@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from itertools import repeat
 
-from workers.config import blocks_for
-
 
 class CountingBlockManager:
     def __init__(self, num_blocks: int, block_size: int):
@@ -25,10 +23,6 @@ class CountingBlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
-
-    def num_needed(self, block_ids: list, num_tokens: int) -> int:
-        """Blocks to add to a table of `block_ids` so it covers `num_tokens` tokens."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(block_ids))
 
     def can_allocate(self, block_ids: list, num_tokens: int) -> bool:
         """BlockManager.can_allocate in one expression: the scheduler asks it for every request every step."""

@@ -4,8 +4,9 @@
 decisions (over counts of blocks: experiments/sim/blocks.py) and post-processes each scheduled step
 as `workers.engine.Engine.step` does (computed tokens advance, a chunk that catches its request up
 samples a token, a request ends on `max_tokens` or, on a prefill worker, hands off after its first
-token), with the step's duration from the step model instead of a forward pass. Requests are `SimRequest`s (experiments/sim/request.py): workers.request.Request with counters in
-place of token lists, so a million requests fit in memory.
+token), with the step's duration from the step model instead of a forward pass. Requests are
+`SimRequest`s (experiments/sim/request.py): workers.request.Request with counters in place of token
+lists, so a million requests fit in memory.
 Token values are not simulated: every request runs to its `max_tokens` (the workloads ask ignore_eos).
 
 Runs of steps that are certain without scheduling them (decode runs, chunk runs) are advanced in
@@ -25,6 +26,7 @@ from workers.scheduler import Scheduler, SchedulerOutput
 from experiments.sim.request import SimRequest
 from experiments.sim.runs import Batch, DecodeRun, PromptChunks, blocks_needed, chunk_step_times, prompt_chunks
 from experiments.sim.stepmodel import features, step_jitter
+
 
 @dataclass(slots=True)
 class StepDone:
@@ -309,9 +311,9 @@ class SimEngine:
         if p.first_scheduled_time is None:
             p.first_scheduled_time = start
         pc.held = len(p.block_ids)
-        jitter = [step_jitter(self._spread, self._stream, self.num_steps + i) for i in range(k)] if self._spread else None
-        return chunk_step_times(self.model, pc, b, sum(self.batch.computed), start, contention,
-                                jitter)
+        jitter = [step_jitter(self._spread, self._stream, self.num_steps + i) for i in range(k)] \
+            if self._spread else None
+        return chunk_step_times(self.model, pc, b, sum(self.batch.computed), start, contention, jitter)
 
     def cut_after(self, run: DecodeRun, t: float) -> int:
         """Steps of the run that still go ahead when new work reaches the worker at `t`: every step
@@ -330,18 +332,18 @@ class SimEngine:
             raise RuntimeError("the batch changed while its decode run was in flight")
         bs, blocks = self.blocks.block_size, self.blocks
         after = [c + m for c in run.computed]
-        grow = []                                            # requests that need a new block
+        grow = []                                            # (request, blocks it needs) of those that grow
         for i, (a, h) in enumerate(zip(after, run.blocks0)):
             if -(-a // bs) > h:
-                grow.append(i)
+                grow.append((i, -(-a // bs)))
         running = self.scheduler.running
         if grow:
             if len(grow) > blocks.num_free:
                 raise RuntimeError(f"a decode run needs {len(grow)}+ KV blocks with {blocks.num_free} free")
             held = list(run.blocks0)
-            for i in grow:
+            for i, need in grow:
                 blocks.allocate(running[i].block_ids, after[i])
-                held[i] = -(-after[i] // bs)
+                held[i] = need
             batch.held = held
         batch.computed, batch.out = after, [o + m for o in batch.out]
         self.num_steps += m

@@ -254,8 +254,8 @@ class WorkerSteps:
         if w.state == "run" and i < run.b and live:
             m = w.steps_ended(self.now)
             if m:                                   # the steps of the run in flight that ended before now
-                ends, r = run.ends[:m], self.costs.return_s        # (a copy: the run's last end may move)
-                self._first_run([req], ends, [max(e + r, w.delivered) for e in ends], m)
+                ends = run.ends[:m]                 # (a copy: the run's last end may move)
+                self._first_run([req], ends, self._router_times(w, ends), m)
             w.run_live -= 1                         # its later steps are no one's load; its first m are
             self.loads[w.rank].kv_tokens += m - w.run_seen       # in its count, which closing it takes off
 
@@ -265,9 +265,13 @@ class WorkerSteps:
         w.delivered = max(t + self.costs.return_s, w.delivered)
         return w.delivered
 
-    def _deliveries(self, w: SimWorker, ends: list) -> list:
+    def _router_times(self, w: SimWorker, ends: list) -> list:
+        """When the router gets steps that left the worker at `ends`, after its steps delivered so far."""
         r, d = self.costs.return_s, w.delivered
-        at = [max(e + r, d) for e in ends]
+        return [max(e + r, d) for e in ends]
+
+    def _deliveries(self, w: SimWorker, ends: list) -> list:
+        at = self._router_times(w, ends)
         w.delivered = at[-1]
         return at
 
