@@ -9,9 +9,9 @@ of O(n) and 1,000 simulated GPUs are not 1,000 steps per request.
 
 The same worker, tie for tie: a policy's `choose` is min(loads, key=policy.key), the first worker
 with the least key, and the heap's least (key, position) is that worker. Entries are updated by
-each WorkerLoad telling the index when a field changes (policies.WorkerLoad.__setattr__: the worker
-is marked, and the marked workers' entries are brought up to date at the next pick, as a load changes
-on every token and is read once a request); an entry
+each WorkerLoad telling the index when a field that a ranking's key reads changes (the policy's
+`fields`; policies.WorkerLoad.__setattr__: the worker is marked, and the marked workers' entries are
+brought up to date at the next pick, as a load changes on every token and is read once a request); an entry
 whose key is no longer its worker's is dropped when it reaches the top, and the heap is rebuilt
 when it holds over twice its members. Whether a worker belongs to a group is checked when it
 reaches the top: a worker only ever leaves a group (a dead worker is not revived, a decode worker
@@ -87,10 +87,11 @@ class LoadIndex:
         position = {id(load): i for i, load in enumerate(self._loads)}
         if len(position) != len(self._loads):
             raise ValueError("each worker needs a WorkerLoad of its own")
-        self._dirty: set[int] = set()                  # workers whose loads changed since the last pick
+        self._dirty: set[int] = set()                  # workers whose ranked fields changed since the last pick
         mark = self._dirty.add
         for i, load in enumerate(self._loads):
-            object.__setattr__(load, "_watch", lambda _load, i=i: mark(i))
+            object.__setattr__(load, "_watch", lambda i=i: mark(i))
+            object.__setattr__(load, "_watched", frozenset())
 
     def _update(self) -> None:
         for i in self._dirty:
@@ -117,8 +118,11 @@ class LoadIndex:
         if ranked is None:
             ranked = _Ranked(self._members[group], self.workers, self._loads, key, GROUPS[group])
             self._ranked[(group, key)] = ranked
+            fields = frozenset(getattr(policy, "fields", ("prompt_tokens", "running", "kv_tokens")))
             for i in ranked.members:
                 self._of[i].append(ranked)
+                load = self._loads[i]
+                object.__setattr__(load, "_watched", load._watched | fields)
         return ranked.least()
 
     def near(self, host, total: int) -> list:

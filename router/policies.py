@@ -25,9 +25,8 @@ class WorkerLoad:
     def __setattr__(self, name, value):
         d = self.__dict__                     # (its fields are plain: set in place, read on every token)
         d[name] = value
-        watch = d.get("_watch")
-        if watch is not None:                 # a LoadIndex keeps its order of the workers up to date
-            watch(self)
+        if name in d.get("_watched", ()):     # a LoadIndex ranks the workers by this field: it is told
+            d["_watch"]()
 
 
 class RoundRobin:
@@ -41,7 +40,9 @@ class RoundRobin:
 
 
 class _Least:
-    """The first of the loads with the least key(load)."""
+    """The first of the loads with the least key(load), which reads only the load's `fields`."""
+
+    fields: tuple = ("prompt_tokens", "running", "kv_tokens")
 
     @staticmethod
     def key(w: WorkerLoad) -> tuple:
@@ -52,6 +53,8 @@ class _Least:
 
 
 class LeastPromptTokens(_Least):
+    fields = ("prompt_tokens", "running")
+
     @staticmethod
     def key(w: WorkerLoad) -> tuple:
         return w.prompt_tokens, w.running
