@@ -157,6 +157,36 @@ def test_a_simulation_is_deterministic_and_a_worker_s_steps_reach_the_router_in_
     assert all(min(r["itl_s"]) >= 0 for r in rows())
 
 
+@pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
+def test_finished_requests_leave_nothing_for_the_cycle_collector(layout):
+    """A million requests' attempts in cycles made the collector scan and free them in batches."""
+    import gc
+
+    from experiments.sim.records import Attempt
+    from experiments.sim.request import SimRequest
+
+    if layout == "colocated":
+        cfg = colocated(workers=2)
+    else:
+        cfg = SimConfig(["prefill", "decode"], {"prefill": EngineConfig(policy="prefill_first", token_budget=512),
+                                                "decode": EngineConfig(policy="chunked", token_budget=64)},
+                        {"prefill": 200, "decode": 200}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    arrivals = [Arrival(f"r{i}", 0.002 * i, 40 + i, 10) for i in range(30)]
+    gc.collect()
+    gc.disable()
+    try:
+        recs = Simulator(cfg, costs()).run(arrivals)
+        assert all(r.status == "ok" for r in recs)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, (Attempt, SimRequest))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
+
+
 def test_killed_worker_requests_are_retried_with_their_streamed_tokens():
     cfg = colocated(workers=2, fault=FaultConfig(kill_worker="colocated:0", kill_after_s=0.01))
     sim = Simulator(cfg, costs())

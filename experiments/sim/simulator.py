@@ -43,6 +43,7 @@ from router.load_index import LoadIndex
 from router.placement import never_fits, plan, pool_sizes
 from router.policies import DECODE_POLICIES, PREFILL_POLICIES, WorkerLoad
 from workers.config import EngineConfig
+from workers.request import Status
 
 
 @dataclass
@@ -130,6 +131,24 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def run(self, arrivals) -> list[Record]:
         """Serve `arrivals` (objects with id, arrival_s, prompt_len or prompt_ids, max_tokens) to the end."""
+        thresholds = gc.get_threshold()
+        gc.set_threshold(100_000, 50, 100)     # a million records made and kept: collections every few
+        try:                                   # hundred objects would scan them again and again
+            self._queue(arrivals)
+            heap, pop = self.heap, heapq.heappop
+            while heap:
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                self.num_events += 1
+        finally:
+            gc.set_threshold(*thresholds)
+        for w in self.workers:
+            self._settle(w)
+        return list(self.records.values())
+
+    def _queue(self, arrivals) -> None:
+        """A record per arrival, the first arrival and the fault in the heap."""
         recs = []
         for a in arrivals:
             n = getattr(a, "prompt_len", None) or getattr(a, "num_prompt_tokens", None) or len(a.prompt_ids)
@@ -150,20 +169,6 @@ class Simulator(KVTransfers, WorkerSteps):
             if victim is None:
                 raise ValueError(f"fault.kill_worker={f.kill_worker}: no such worker in this layout")
             self.push(f.kill_after_s, self._kill, victim)
-        heap, pop = self.heap, heapq.heappop
-        thresholds = gc.get_threshold()
-        gc.set_threshold(100_000, 50, 100)     # a million live records: each collection scans them all
-        try:
-            while heap:
-                t, _, fn, args = pop(heap)
-                self.now = t
-                fn(*args)
-                self.num_events += 1
-        finally:
-            gc.set_threshold(*thresholds)
-        for w in self.workers:
-            self._settle(w)
-        return list(self.records.values())
 
     # -- router: admission, dispatch, endings -------------------------------------------------------
     def _next_arrival(self) -> None:
@@ -217,8 +222,7 @@ class Simulator(KVTransfers, WorkerSteps):
             rec.injected_fault = rec.injected_fault or att.drop_transfer
         att.preq = sim_request(f"{rec.id}#{rec.attempts}", n, left, self.now, hand_off=att.kind == "handoff")
         att.preq.attempt = att
-        self.push(self.now + self.costs.dispatch_s, self._deliver, p,
-                  ("submit", att.preq))
+        self.push(self.now + self.costs.dispatch_s, self._deliver, p, ("submit", att.preq))
 
     def _refresh_kv(self) -> None:
         """Count the KV tokens of decode runs in flight, as far as their steps have reached the router.
@@ -255,6 +259,9 @@ class Simulator(KVTransfers, WorkerSteps):
         self._drop(att, abort=False)
         rec = att.record
         rec.finish(reason, rec.last_time)
+        for req in (att.preq, att.dreq):            # an engine done with it: no cycle left for the
+            if req is not None and req.status is Status.FINISHED:   # collector (a million of them
+                req.attempt = None                  # made it scan and free them a hundred thousand at a time)
 
     def _fail(self, rec: Record, reason: str) -> None:
         if rec.done:
