@@ -22,13 +22,13 @@ time after its step (its parts were exported while it ran).
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.transfer.base import TransferConfig
+from experiments.serving.workload import many_objects
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine
 from experiments.sim.request import sim_request
@@ -131,9 +131,7 @@ class Simulator(KVTransfers, WorkerSteps):
 
     def run(self, arrivals) -> list[Record]:
         """Serve `arrivals` (objects with id, arrival_s, prompt_len or prompt_ids, max_tokens) to the end."""
-        thresholds = gc.get_threshold()
-        gc.set_threshold(100_000, 50, 100)     # a million records made and kept: collections every few
-        try:                                   # hundred objects would scan them again and again
+        with many_objects():                   # a million records made and kept
             self._queue(arrivals)
             heap, pop = self.heap, heapq.heappop
             while heap:
@@ -141,8 +139,6 @@ class Simulator(KVTransfers, WorkerSteps):
                 self.now = t
                 fn(*args)
                 self.num_events += 1
-        finally:
-            gc.set_threshold(*thresholds)
         for w in self.workers:
             self._settle(w)
         return list(self.records.values())
