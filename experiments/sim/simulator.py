@@ -191,11 +191,9 @@ class Simulator(KVTransfers, WorkerSteps):
             why = None if fits is None else f"can never fit: {fits}"
         if why is not None:
             return self._fail(rec, f"rejected: {why}")
-        self._dispatch(rec, last=True)
+        self._dispatch(rec)
 
-    def _dispatch(self, rec: Record, last: bool = False) -> None:
-        """Place rec and send it to its worker. `last`: the caller's last act, so when the submit reaches
-        the worker at once and no other event comes before it, it is handled here (the same order)."""
+    def _dispatch(self, rec: Record) -> None:
         n, left = rec.prompt_len + rec.num_out, rec.max_tokens - rec.num_out
         if self.mode == "disaggregated":
             self._refresh_kv()
@@ -220,11 +218,7 @@ class Simulator(KVTransfers, WorkerSteps):
             rec.injected_fault = rec.injected_fault or att.drop_transfer
         att.preq = sim_request(f"{rec.id}#{rec.attempts}", n, left, self.now, hand_off=att.kind == "handoff")
         att.preq.attempt = att
-        if last and self.costs.dispatch_s == 0.0 and (not self.heap or self.heap[0][0] > self.now):
-            self.num_events += 1
-            self._deliver(p, ("submit", att.preq))
-        else:
-            self.push(self.now + self.costs.dispatch_s, self._deliver, p, ("submit", att.preq))
+        self.push(self.now + self.costs.dispatch_s, self._deliver, p, ("submit", att.preq))
 
     def _refresh_kv(self) -> None:
         """Count the KV tokens of decode runs in flight, as far as their steps have reached the router.
