@@ -268,8 +268,6 @@ class WorkerSteps:
     def _router_times(self, w: SimWorker, ends: list) -> list:
         """When the router gets steps that left the worker at `ends`, after its steps delivered so far."""
         r, d = self.costs.return_s, w.delivered
-        if r == 0.0 and ends[0] >= d:           # (no latency, nothing delivered late: the ends themselves)
-            return list(ends)
         return [max(e + r, d) for e in ends]
 
     def _deliveries(self, w: SimWorker, ends: list) -> list:
