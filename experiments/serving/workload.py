@@ -170,7 +170,7 @@ def _arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
 def many_objects():
     """While a million requests' objects are made and kept: the cycle collector runs every 100,000
     allocations instead of every 700, for at that rate its full collections rescan them over and over
-    (2 of the 3.6 s that building a million requests took)."""
+    (docs/benchmarks.md, Simulator speed)."""
     thresholds = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     try:

@@ -255,9 +255,9 @@ class Simulator(KVTransfers, WorkerSteps):
         self._drop(att, abort=False)
         rec = att.record
         rec.finish(reason, rec.last_time)
-        for req in (att.preq, att.dreq):            # an engine done with it: no cycle left for the
-            if req is not None and req.status is Status.FINISHED:   # collector (a million of them
-                req.attempt = None                  # made it scan and free them a hundred thousand at a time)
+        for req in (att.preq, att.dreq):            # a request its engine is done with drops its attempt,
+            if req is not None and req.status is Status.FINISHED:   # so the pair is freed at once, not
+                req.attempt = None                  # left in a cycle for the collector to find
 
     def _fail(self, rec: Record, reason: str) -> None:
         if rec.done:
