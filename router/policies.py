@@ -2,8 +2,9 @@
 
 The router keeps each worker's load from what it has assigned (exact and never stale):
 outstanding prompt tokens, running requests, and KV tokens held. A policy that picks the least of
-something says what in `key(load)`; `choose` is the first worker with the least key, and
-router/load_index.py finds that same worker without looking at every one.
+something says what in `key(load)`, and which load fields that key reads in `fields` (all of them
+unless it says fewer); `choose` is the first worker with the least key, and router/load_index.py
+finds that same worker without looking at every one, re-ranking a worker when one of those fields changes.
 """
 from __future__ import annotations
 
