@@ -334,8 +334,9 @@ class SimEngine:
         after = [c + m for c in run.computed]
         grow = []                                            # (request, blocks it needs) of those that grow
         for i, (a, h) in enumerate(zip(after, run.blocks0)):
-            if -(-a // bs) > h:
-                grow.append((i, -(-a // bs)))
+            need = -(-a // bs)
+            if need > h:
+                grow.append((i, need))
         running = self.scheduler.running
         if grow:
             if len(grow) > blocks.num_free:
