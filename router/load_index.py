@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 
 from router.placement import pick
+from router.policies import LOAD_FIELDS
 
 GROUPS = {
     "colocated": lambda w: w.alive and w.role == "colocated",
@@ -118,7 +119,7 @@ class LoadIndex:
         if ranked is None:
             ranked = _Ranked(self._members[group], self.workers, self._loads, key, GROUPS[group])
             self._ranked[(group, key)] = ranked
-            fields = frozenset(getattr(policy, "fields", ("prompt_tokens", "running", "kv_tokens")))
+            fields = frozenset(getattr(policy, "fields", LOAD_FIELDS))
             for i in ranked.members:
                 self._of[i].append(ranked)
                 load = self._loads[i]

@@ -30,6 +30,9 @@ class WorkerLoad:
             d["_watch"]()
 
 
+LOAD_FIELDS = ("prompt_tokens", "running", "kv_tokens")   # what a key may read; a policy names fewer in `fields`
+
+
 class RoundRobin:
     def __init__(self):
         self._next = 0
@@ -43,7 +46,7 @@ class RoundRobin:
 class _Least:
     """The first of the loads with the least key(load), which reads only the load's `fields`."""
 
-    fields: tuple = ("prompt_tokens", "running", "kv_tokens")
+    fields: tuple = LOAD_FIELDS
 
     @staticmethod
     def key(w: WorkerLoad) -> tuple:
