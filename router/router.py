@@ -62,6 +62,7 @@ class Router(RouterThreads, RouterEvents):
         self.loads = {w.rank: WorkerLoad(w.name, w.info["num_kv_blocks"] * w.info["block_size"]) for w in pool.workers}
         self.index = LoadIndex(pool.workers, self.loads)      # placement without looking at every worker
         self.journeys = Journeys(self.loads)                 # the attempts in flight, by attempt id
+        self.late_sent: dict[str, Attempt] = {}             # finished handoffs whose sender has not reported
         self.prefill_policy = PREFILL_POLICIES[cfg.prefill_policy]()
         self.decode_policy = DECODE_POLICIES[cfg.decode_policy]()
         self.records: dict[str, RequestRecord] = {}
@@ -126,10 +127,11 @@ class Router(RouterThreads, RouterEvents):
             return rec
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Until every submitted request has ended; False on timeout."""
+        """Until every submitted request has ended and its records are whole (the KV sender's report of
+        a handoff can come after the decode worker's last token); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while any(not r.done for r in self.records.values()):
+            while self.late_sent or any(not r.done for r in self.records.values()):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -270,6 +272,8 @@ class Router(RouterThreads, RouterEvents):
 
     def _finish(self, att: Attempt, finish_reason: str) -> None:
         self._drop(att, abort=False)
+        if att.imported and not att.sent and att.prefill.alive:
+            self.late_sent[att.aid] = att    # its Sent comes on another worker's stream
         att.record.finish(finish_reason, att.record.token_times[-1])
         self._lock.notify_all()
 

@@ -27,6 +27,8 @@ class RouterEvents:
         if isinstance(ev, (SendFailed, ImportFailed)):
             self.transport_errors.append(f"{w.name}: {ev.reason}")
         att = self.journeys.live.get(ev.rid)
+        if att is None and ev.rid in self.late_sent and isinstance(ev, (Sent, SendFailed)):
+            return self._on_late_sent(w, ev)
         if att is None or w not in (att.prefill, att.decode):
             return                                   # a superseded attempt's, or a spoofed one
         self._ON_REQUEST_EVENT[type(ev)](self, att, w, ev)
@@ -47,8 +49,19 @@ class RouterEvents:
         rec.transfer_s, rec.transfer_bytes = ev.seconds, ev.bytes
         rec.kv_send_start = self.on_router_clock(w, ev.start)
 
+    def _on_late_sent(self, w: WorkerHandle, ev: Sent | SendFailed) -> None:
+        """The sender's report of a handoff whose request has ended (the decode worker imported the KV
+        and made its last token before the prefill worker's stream caught up)."""
+        if w is not self.late_sent[ev.rid].prefill:
+            return                                       # a spoofed one
+        att = self.late_sent.pop(ev.rid)
+        if isinstance(ev, Sent):
+            self._on_sent(att, w, ev)
+        self._lock.notify_all()
+
     def _on_imported(self, att: Attempt, w: WorkerHandle, ev: Imported) -> None:
         att.imported = True
+        att.record.transfer_bytes = ev.bytes             # the receiver's count, before its first token
         att.record.kv_arrived = self.on_router_clock(w, ev.arrived)
         if ev.prefill_end is not None:                   # stamped by the prefill worker's clock
             att.record.prefill_end = self.on_router_clock(att.prefill, ev.prefill_end)
@@ -100,6 +113,9 @@ class RouterEvents:
         w.alive = False
         injected = w.rank in self._killed
         log.warning("%s", reason)
+        for aid in [aid for aid, att in self.late_sent.items() if att.prefill is w]:
+            del self.late_sent[aid]                      # its report will not come
+        self._lock.notify_all()
         for att in self.journeys.lost_with(w):
             att.record.injected_fault = att.record.injected_fault or injected
             self._retry(att, reason, crashed=not (injected or node_lost))

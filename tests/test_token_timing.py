@@ -62,6 +62,41 @@ def test_tokens_carry_their_step_end_on_the_routers_clock_and_their_arrival():
     assert m["ttft_ms"]["p50"] == pytest.approx(50.0) and m["client_ttft_ms"]["p50"] == pytest.approx(60.0)
 
 
+@pytest.mark.parametrize("sender", ["reports", "dies"])
+def test_a_handoff_that_ends_before_its_senders_report_keeps_its_transfer(sender):
+    """The decode worker imports the KV and makes the last token before the prefill worker's stream
+    says the KV was sent (two poll threads, no order between them). The record still counts the
+    bytes, and wait() returns once the sender's report is in, or the sender is gone."""
+    pool = fake_pool({"prefill:0": "A", "decode:0": "B"})
+    router = Router(pool, clock=lambda: 1000.0)
+    p, d = pool.find("prefill:0"), pool.find("decode:0")
+    rec = router.submit("a", [1] * 100, greedy(2))
+    aid = submitted(pool)[-1][0]
+    with router._lock:
+        router._on_event(p, step(aid, 7, 1000.05, "handoff"), 1000.06)
+        router._on_event(d, {"kind": "imported", "rid": aid, "bytes": 640, "recv_s": 0.002,
+                             "arrived": 1000.055, "time": 1000.056}, 1000.06)
+        router._on_event(d, step(aid, 8, 1000.07, "length"), 1000.08)
+    assert rec.status == "ok" and rec.transfer_bytes == 640 and rec.transfer_s is None
+    assert not router.wait(timeout_s=0.05)                  # the sender has not reported
+    with router._lock:
+        router._on_event(d, {"kind": "sent", "rid": aid, "dst": d.rank, "bytes": 640, "seconds": 0.002,
+                             "start": 1000.051}, 1000.09)   # not from its sender: ignored
+    assert not router.wait(timeout_s=0.05)
+    with router._lock:
+        if sender == "reports":
+            router._on_event(p, {"kind": "sent", "rid": aid, "dst": d.rank, "bytes": 640, "seconds": 0.003,
+                                 "start": 1000.051}, 1000.09)
+        else:
+            router._on_dead(p, "worker prefill:0 died")
+    assert router.wait(timeout_s=1.0)
+    assert rec.transfer_bytes == 640
+    if sender == "reports":
+        assert rec.transfer_s == 0.003 and rec.kv_send_start == pytest.approx(1000.051)
+    else:
+        assert rec.transfer_s is None and rec.status == "ok"
+
+
 def test_auto_bundles_share_each_node_out_and_keep_a_core_for_the_driver():
     one = lambda cpus, gpus: [{"id": "A", "cpus": cpus, "gpus": gpus}]      # noqa: E731
     assert bundle_cpus("auto", one(2, 2), 2, "A") == 1          # this machine, the default layouts
