@@ -105,7 +105,7 @@ class ServeMetrics:
             self.e2el.observe(times[-1] - rec.arrival_s)
             for a, b in zip(times, times[1:]):
                 self.itl.observe(b - a)
-        if rec.transfer_s is not None and rec.prefill_worker and rec.decode_worker:
+        if rec.transfer_bytes and rec.prefill_worker and rec.decode_worker:     # (bytes: the receiver counted them)
             for worker, direction in ((rec.prefill_worker, "sent"), (rec.decode_worker, "received")):
                 self.transfers.labels(worker, direction).inc()
                 self.transfer_bytes.labels(worker, direction).inc(rec.transfer_bytes)

@@ -79,6 +79,13 @@ def test_a_handoff_that_ends_before_its_senders_report_keeps_its_transfer(sender
         router._on_event(d, step(aid, 8, 1000.07, "length"), 1000.08)
     assert rec.status == "ok" and rec.transfer_bytes == 640 and rec.transfer_s is None
     assert not router.wait(timeout_s=0.05)                  # the sender has not reported
+    from router.prom import ServeMetrics
+    served = ServeMetrics()                                 # the server counts the request as it ends
+    served.ended("completed", rec, 2)
+    for worker, direction in (("prefill:0", "sent"), ("decode:0", "received")):
+        labels = {"worker": worker, "direction": direction}
+        assert served.registry.get_sample_value("pdlab_kv_transfers_total", labels) == 1
+        assert served.registry.get_sample_value("pdlab_kv_transfer_bytes_total", labels) == 640
     with router._lock:
         router._on_event(d, {"kind": "sent", "rid": aid, "dst": d.rank, "bytes": 640, "seconds": 0.002,
                              "start": 1000.051}, 1000.09)   # not from its sender: ignored
