@@ -5,6 +5,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.isolation import assign_cores, bundle_cpus, threads_for
 from router.clock import Sample
+from router.prom import ServeMetrics
 from router.router import Router
 from tests.test_routing import fake_pool, greedy, submitted
 
@@ -79,7 +80,6 @@ def test_a_handoff_that_ends_before_its_senders_report_keeps_its_transfer(sender
         router._on_event(d, step(aid, 8, 1000.07, "length"), 1000.08)
     assert rec.status == "ok" and rec.transfer_bytes == 640 and rec.transfer_s is None
     assert not router.wait(timeout_s=0.05)                  # the sender has not reported
-    from router.prom import ServeMetrics
     served = ServeMetrics()                                 # the server counts the request as it ends
     served.ended("completed", rec, 2)
     for worker, direction in (("prefill:0", "sent"), ("decode:0", "received")):
