@@ -1,5 +1,6 @@
-# Decode steps by worker, by alone / shared as the later (newcomer) or earlier (incumbent) busy worker, and by
-# steps since waking, over the repository Xeon profile's isolated time. Run from the repository root with run dirs.
+# Decode steps by worker (and over both workers: "all"), by alone / shared as the later (newcomer) or earlier
+# (incumbent) busy worker, and by steps since waking, over the repository Xeon profile's isolated time.
+# Run from the repository root: python experiments/results/validate-probe-2026-12-06-xeon/decode-steps-by-worker.py RUN_DIR...
 import json, sys, numpy as np, collections, bisect
 from pathlib import Path
 from experiments.analysis.calibrate import _repeats, by_worker, shared_shares, busy_intervals
@@ -29,7 +30,9 @@ for run in sys.argv[1:]:
                     i = bisect.bisect_right(ms, s["start_s"]) - 1; k = bisect.bisect_right(obs, s["start_s"]) - 1
                     state = "newcomer" if (i >= 0 and k >= 0 and mine[i][0] > ob[k][0]) else "incumbent"
                 else: continue
-                g[(lay, wn, state, "j<3" if j < 3 else "j3-11" if j < 12 else "j>=12")].append(r)
+                jb = "j<3" if j < 3 else "j3-11" if j < 12 else "j>=12"
+                g[(lay, wn, state, jb)].append(r)
+                g[(lay, "all", state, jb)].append(r)
 for k in sorted(g):
     v = np.array(g[k])
     if len(v) >= 15: print(*k, len(v), f"median {np.median(v):.3f} p90 {np.percentile(v, 90):.3f}")
