@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 
 SHARED_WARNING = "workers share cores; differences between modes are confounded"
+DRIVER_WARNING = ("the router has no core of its own: its threads run on the workers' cores and slow the worker "
+                  "beside them, so where they land moves the modes' token latencies")
 
 
 def usable_cores(pid: int = 0) -> list[int]:

@@ -25,7 +25,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.bundles import assign_bundles, bundle_order
 from cluster.config import PLACEMENTS, ClusterConfig
-from cluster.isolation import SHARED_WARNING, assign_cores, bundle_cpus, pin_process, threads_for, usable_cores
+from cluster.isolation import (DRIVER_WARNING, SHARED_WARNING, assign_cores, bundle_cpus, pin_process, threads_for,
+                               usable_cores)
 from cluster.ray_cluster import ClusterError, check_resources
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
@@ -151,18 +152,19 @@ class WorkerPool(PoolLosses):
                 reasons.append(f"{w.name}: " + (r["error"] or f"asked for cores {mine}, runs on {got_cores}"))
         dedicated = not reasons
         driver = _pin_driver(driver_node)
+        beside = dedicated and driver is None and bool(_HELD.get(driver_node))   # workers hold its node's cores
         self.isolation = {
             "dedicated": dedicated, "workers": len(self.workers),
             "cores": sum(len(ws[0].info["node_cores"]) for ws in by_node.values()), "nodes": len(by_node),
-            "cpus_per_worker": cpus, "driver_cores": driver,
+            "cpus_per_worker": cpus, "driver_cores": driver, "driver_shares_cores": beside,
             "reason": "; ".join(reasons) or None,
             "per_worker": [{"worker": w.name, "host": w.info["host"], "cores": w.info["cores"],
                             "torch_threads": w.info["torch_threads"],
                             "cpu_gemm_rows": w.info["memory"].get("cpu_gemm_rows")} for w in self.workers]}
         if not dedicated:
             log.warning("%s (%s)", SHARED_WARNING, self.isolation["reason"])
-        elif driver is None:
-            log.info("the driver shares the workers' cores: no core is left over for it")
+        elif beside:
+            log.info(DRIVER_WARNING)           # the run's summary and report warn once per point
 
     def _by_node(self) -> dict[str, list[WorkerHandle]]:
         """The live workers of each node, in rank order."""

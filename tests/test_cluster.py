@@ -292,10 +292,11 @@ def test_workers_run_on_cores_of_their_own(colocated):
     if len(node) >= 2:
         a, b = (w.info["cores"] for w in colocated.workers)
         assert iso["dedicated"] and len(a) == len(b) == 1 and not set(a) & set(b), iso
+        assert iso["driver_shares_cores"] == (len(node) == 2) == (iso["driver_cores"] is None), iso   # a core left: its own
         assert all(w.info["torch_threads"] == 1 for w in colocated.workers)
         assert [p["cores"] for p in iso["per_worker"]] == [a, b]
     else:
-        assert not iso["dedicated"] and "2 workers on 1 cores" in iso["reason"]
+        assert not iso["dedicated"] and "2 workers on 1 cores" in iso["reason"] and not iso["driver_shares_cores"]
 
 
 def test_abort_frees_kv_and_follow_sees_the_end(colocated):

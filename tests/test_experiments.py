@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config import ConfigError, points
 from experiments.report.report import build_report
-from experiments.run import precheck
+from experiments.run import precheck, warnings
 from tests.conftest import ROOT
 
 CONF = str(ROOT / "conf")
@@ -210,3 +210,11 @@ def test_requests_failed_for_their_own_reasons_are_flagged_in_the_summary():
     assert line == ("WARNING: 3 of 5 requests failed for reasons other than injected faults; commonest (2): "
                     "rejected: temperature=1e-40 must be 0 (+1 other reasons). See requests.jsonl.")
     assert unexpected_failures(records[:2]) is None and failure_warning({"num_submitted": 2}) is None
+
+
+def test_the_console_warns_once_per_point_whose_router_shares_the_workers_cores():
+    def result(label, shares):
+        return {"point": {"label": label}, "machine": {}, "isolation": {"dedicated": True, "driver_shares_cores": shares}}
+    lines = warnings([result("a", True), result("b", False), result("a", True)])
+    assert lines == ["a: the router has no core of its own: its threads run on the workers' cores and slow the worker "
+                     "beside them, so where they land moves the modes' token latencies"]

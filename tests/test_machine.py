@@ -5,7 +5,9 @@ import sys
 import pytest
 
 from experiments.serving import machine
-from experiments.serving.machine import SHARED, Snapshot, combine, load_warning, shared_cores, snapshot, usage
+from cluster.isolation import DRIVER_WARNING
+from experiments.serving.machine import (SHARED, Snapshot, combine, driver_warning, load_warning, shared_cores, snapshot,
+                                         usage)
 
 
 def test_usage_splits_the_machine_into_ours_others_and_stolen():
@@ -46,6 +48,13 @@ def test_combine_keeps_the_worst_repeat():
     assert c["load_1m_end_max"] == 3.0 and c["other_cores_max"] == 1.1
     assert c["overloaded"] and c["workers_share_cores"] and c["per_repeat"] == reps
     assert load_warning(c).startswith("machine overloaded: 1-minute load average 3.0 on 2 cores")
+
+
+def test_a_router_without_a_core_of_its_own_is_warned_of():
+    assert driver_warning({"dedicated": True, "driver_cores": None, "driver_shares_cores": True}) == DRIVER_WARNING
+    assert driver_warning({"dedicated": True, "driver_cores": [2, 3], "driver_shares_cores": False}) is None
+    assert driver_warning({"dedicated": True, "driver_cores": None}) is None      # a run from before the field
+    assert driver_warning(None) is None
 
 
 def test_workers_share_cores_when_the_layout_needs_more_than_there_are():

@@ -287,7 +287,8 @@ def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path,
     for i in range(3):                       # fast's repeats ran on a machine slowing down: its probes say so
         m = run / "fast" / f"rep{i}" / "metrics.json"
         probe = {"decode_s": 2e-3 + 5e-4 * i, "prefill_s": 5e-3, "context": 256, "prompt_tokens": 64, "rounds": 8}
-        m.write_text(json.dumps(json.loads(m.read_text()) | {"speed_probe": {"w0": probe, "w1": probe}}))
+        m.write_text(json.dumps(json.loads(m.read_text()) | {"speed_probe": {"w0": probe, "w1": probe},
+                                                             "isolation": {"dedicated": True, "driver_shares_cores": True}}))
     aggregate.write(run / "fast")            # "slow" was cut short before its aggregate: the report makes it
     assert report.main([str(run)]) == 0
     assert not (run / "slow" / "metrics.json").exists(), "the report reads the run, it does not rewrite it"
@@ -300,6 +301,7 @@ def test_report_of_repeats_shows_intervals_comparisons_and_the_machine(tmp_path,
     assert "TTFT p50 (median [95% CI]): fast " in md and ": fast is lower than slow (95% intervals separate)." in md
     assert "ITL p99 (median [95% CI]):" in md and "no significant difference between" in md   # equal gaps
     assert "⚠ fast: machine overloaded: 1-minute load average 3.0 on 2 cores" in md
+    assert "⚠ fast: the router has no core of its own" in md and "⚠ slow: the router" not in md
     assert "## Serving modes compared (2 GPUs, 4 req/s, workload code)" in md
     assert_png(run / "comparison.png") and assert_png(run / "itl_cdf.png")
     assert "every timeline has the same y-scale" in md

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.isolation import DRIVER_WARNING
+
 PROC = Path("/proc")
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 SHARED = "workers share cores; differences between modes are confounded"
@@ -119,6 +121,11 @@ def load_warning(machine: dict) -> str | None:
     if other is not None:
         text += f" (other processes used {other:.2f} cores)"
     return text + "; timings include waiting for a CPU"
+
+
+def driver_warning(isolation: dict | None) -> str | None:
+    """One line when the pool found no core for the driver beside its workers' (metrics.json's `isolation`)."""
+    return DRIVER_WARNING if (isolation or {}).get("driver_shares_cores") else None
 
 
 def shared_cores(num_workers: int, torch_threads: int, embedded: bool, ray_cpus: int | None = None,
