@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
 from experiments.config import ConfigError, repeats, yield_to_overrides
-from experiments.serving.machine import driver_warning, load_warning
+from experiments.serving.machine import point_warnings
 from experiments.serving.metrics import format_summary
 from experiments.serving.serve import prepare, serve_all
 
@@ -44,15 +44,8 @@ def warnings(results: list[dict]) -> list[str]:
     """The machine's load and the layouts' core sharing, once per distinct line."""
     lines = []
     for r in results:
-        machine = r.get("machine") or {}
         label = r["point"].get("label", "?")
-        if (text := load_warning(machine)) is not None:
-            lines.append(f"{label}: {text}")
-        if (text := driver_warning(r.get("isolation"))) is not None:
-            lines.append(f"{label}: {text}")
-        shared = {m.get("shared_cores") for m in machine.get("per_repeat", []) if m.get("shared_cores")}
-        lines += [f"{label}: {s}" for s in sorted(shared)]
-        lines += [f"{label}: {w}" for w in r.get("failure_warnings", [])]
+        lines += [f"{label}: {w}" for w in point_warnings(r) + r.get("failure_warnings", [])]
     return list(dict.fromkeys(lines))
 
 

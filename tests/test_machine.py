@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from experiments.serving import machine
 from cluster.isolation import DRIVER_WARNING
+from experiments.serving import machine
 from experiments.serving.machine import (SHARED, Snapshot, combine, driver_warning, load_warning, shared_cores, snapshot,
                                          usage)
 

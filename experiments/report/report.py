@@ -16,7 +16,7 @@ from pathlib import Path
 from experiments.report import sections
 from experiments.serving import compare
 from experiments.serving.aggregate import probe_range
-from experiments.serving.machine import driver_warning, load_warning
+from experiments.serving.machine import point_warnings
 from experiments.report.page import Report, fmt, group_name, groups, table, with_ci  # noqa: F401 (fmt: tests)
 from experiments.report.points import Point, find_points, label_points, natural, short, swept, what_varies  # noqa: F401
 
@@ -48,16 +48,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def warnings(points: list[Point]) -> list[str]:
-    lines = []
-    for p in points:
-        machine = (p.metrics or {}).get("machine") or {}
-        if (text := load_warning(machine)) is not None:
-            lines.append(f"{p.label}: {text}")
-        if (text := driver_warning((p.metrics or {}).get("isolation"))) is not None:
-            lines.append(f"{p.label}: {text}")
-        shared = {m.get("shared_cores") for m in machine.get("per_repeat", [machine]) if m.get("shared_cores")}
-        lines += [f"{p.label}: {s}" for s in sorted(shared)]
-    return lines
+    return [f"{p.label}: {w}" for p in points for w in point_warnings(p.metrics or {})]
 
 
 def header(r: Report, directory: Path, points: list[Point], ok: list[Point]) -> None:

@@ -14,11 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.isolation import DRIVER_WARNING
+from cluster.isolation import DRIVER_WARNING, SHARED_WARNING as SHARED
 
 PROC = Path("/proc")
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-SHARED = "workers share cores; differences between modes are confounded"
 
 
 def available_cores() -> int:
@@ -126,6 +125,14 @@ def load_warning(machine: dict) -> str | None:
 def driver_warning(isolation: dict | None) -> str | None:
     """One line when the pool found no core for the driver beside its workers' (metrics.json's `isolation`)."""
     return DRIVER_WARNING if (isolation or {}).get("driver_shares_cores") else None
+
+
+def point_warnings(metrics: dict) -> list[str]:
+    """What the machine did to a point (its metrics.json): overloaded, the router on the workers' cores,
+    workers sharing cores; what the console and the report both print."""
+    machine = metrics.get("machine") or {}
+    lines = [text for text in (load_warning(machine), driver_warning(metrics.get("isolation"))) if text is not None]
+    return lines + sorted({m["shared_cores"] for m in machine.get("per_repeat", [machine]) if m.get("shared_cores")})
 
 
 def shared_cores(num_workers: int, torch_threads: int, embedded: bool, ray_cpus: int | None = None,
