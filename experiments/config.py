@@ -12,6 +12,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,6 +24,7 @@ from router.config import FaultConfig, RouterConfig
 from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
 from workers.weights import ModelSpec, with_checkpoint
 
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")    # the Hydra config tree (conf/)
 BACKENDS = ("real", "sim")
 CHUNKED_BUDGET = 256          # default chunk (token budget) under the chunked policy
 LAYOUT_DISAGG = re.compile(r"^(\d+)p(\d+)d$")

@@ -57,7 +57,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from experiments.config import ConfigError
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     @hydra.main(version_base=None, config_path=CONF_DIR, config_name="plan")
     def app(cfg: DictConfig) -> None:

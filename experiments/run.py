@@ -21,13 +21,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
-from experiments.config import ConfigError, repeats, yield_to_overrides
+from experiments.config import CONF_DIR, ConfigError, repeats, yield_to_overrides
 from experiments.serving.machine import point_warnings
 from experiments.serving.metrics import format_summary
 from experiments.serving.serve import prepare, serve_all
 
 log = logging.getLogger("pdlab")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:

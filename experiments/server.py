@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import ConfigError, RunSpec, points, section
-from experiments.run import CONF_DIR
+from experiments.config import CONF_DIR
 from experiments.serving.serve import engines_for, ensure_ray, request_row, step_row
 from router.frontend import Frontend
 from router.openai_api import build_app

@@ -33,7 +33,7 @@ def spec_of(overrides):
     from hydra import compose, initialize_config_dir
 
     from experiments.config import parse
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return parse(compose("config", overrides=["compare=null", "backend=sim", *overrides]))
 
@@ -167,7 +167,7 @@ def test_the_planner_refuses_a_tpot_no_decode_step_reaches():
 
     from experiments.analysis.plan import Search
     from experiments.config import ConfigError
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["compare=null", "backend=sim", "model=llama-3-8b", "hardware=h200",
                                            "hardware.costs=roofline", "slo.tpot_ms=4.0"])
@@ -200,7 +200,7 @@ def test_the_lessons_gpu_figures_carry_the_measured_steps(monkeypatch, tmp_path)
 
     from experiments.analysis.roofline import Hardware
     from experiments.lesson import lesson, text
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     def fake(cfg, gpu, *a):
         if gpu == "a100":

@@ -228,7 +228,7 @@ def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
     from hydra import compose, initialize_config_dir
 
     from experiments.lesson import rates
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         base = compose("config", overrides=["compare=null", "report=false", "model=llama-3-8b", "hardware=h200",
@@ -267,7 +267,7 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
 
     from experiments.analysis import decision_sim
     from experiments.lesson import lesson
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     calls = []
 
@@ -331,7 +331,7 @@ def test_slo_presets_set_from_the_hardware_follow_its_decode_step():
 
     from experiments.analysis.decision_sim import decode_step_ms, resolve_slos
     from experiments.config import ConfigError
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     ref = {"batch": 32, "context": 1024}
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -145,7 +145,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
     from experiments.analysis.profiles import model_config
     from experiments.sim.gpu_costs import _model_dir
 

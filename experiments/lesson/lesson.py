@@ -30,7 +30,7 @@ from experiments.analysis.interference import gap_summary, measure
 from experiments.serving.machine import snapshot, usage
 from experiments.analysis.roofline import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
 from experiments.serving.compare import Estimate, best
-from experiments.run import CONF_DIR
+from experiments.config import CONF_DIR
 from experiments.serving.serve import prepare, serve_all
 from workers.config import preset
 from workers.weights import build_model, parse_device, resolve_dtype

@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from experiments.config import apply_layout, parse
-from experiments.run import CONF_DIR
+from experiments.config import CONF_DIR
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate, write_repeat
 from experiments.sim.tables import TOKEN_TIMES_MAX

@@ -96,7 +96,7 @@ def render(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.run import CONF_DIR
+    from experiments.config import CONF_DIR
 
     ap = argparse.ArgumentParser(prog="python -m experiments.sim.costs", description="GPU step times from each cost source side by side "
                                  "(aiconfigurator's measured database, the simulator's roofline, the datasheet bound)",
