@@ -13,7 +13,7 @@ alone take on this device, measured per step shape after the timed runs, by the 
 linear and (CPU, float32) pdlab's panel kernel (HF's time over it is the most any engine doing those matmuls
 could gain), then that floor with attention's FLOPs added at the
 matmuls' own rate (a bound no attention kernel reaches). On a GPU it also prints the decode step against the HBM floor and the
-prefill step against the measured matmul peak (experiments/analysis/roofline.py). Ends with one JSON line.
+prefill step against the measured matmul peak (experiments/hardware.py). Ends with one JSON line.
 With `--against-gemm-rows N` (CPU kernels), a second pdlab engine whose linears run MKL's GEMM from N
 rows (`engine.cpu_gemm_rows`; `none`: the panel kernel always) runs alternately with the other two,
 and the case prints the first engine's route (measured) and its time against that one's.
@@ -219,7 +219,7 @@ def attention_flops(cfg: ModelConfig, case: Case) -> float:
 
 def gpu_floors(cfg: ModelConfig, dtype_bytes: int, engine: Engine, case: Case) -> dict:
     """Decode step against the HBM floor, prefill against the measured matmul peak (roofline module)."""
-    from experiments.analysis.roofline import decode_cost, measured_hardware, prefill_cost
+    from experiments.hardware import decode_cost, measured_hardware, prefill_cost
 
     hw = measured_hardware(str(engine.device))
     out = {"peak_tflops": hw.peak_flops / 1e12, "hbm_gb_s": hw.mem_bw / 1e9}

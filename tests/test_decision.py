@@ -5,7 +5,7 @@ import pytest
 
 from experiments.analysis.decision import (MODES, ModeEstimate, best, crossover_link_bw,
                                            crossover_prompt_len, estimate, exposed_transfer, least_link_bw)
-from experiments.analysis.roofline import HARDWARE, decode_cost, mixed_cost, prefill_cost
+from experiments.hardware import HARDWARE, decode_cost, mixed_cost, prefill_cost
 from workers.config import preset
 
 CFG = preset("llama-3-8b")

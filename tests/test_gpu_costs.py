@@ -198,7 +198,7 @@ def test_the_peer_table_names_both_choices_and_why_one_is_missing(monkeypatch):
 def test_the_lessons_gpu_figures_carry_the_measured_steps(monkeypatch, tmp_path):
     from omegaconf import OmegaConf
 
-    from experiments.analysis.roofline import Hardware
+    from experiments.hardware import Hardware
     from experiments.lesson import lesson, text
     from experiments.config import CONF_DIR
 

@@ -11,7 +11,7 @@ import torch
 import numpy as np
 
 from experiments.analysis.interference import inflation, measure, rounds
-from experiments.analysis.roofline import Hardware
+from experiments.hardware import Hardware
 from tests.conftest import ROOT
 from workers.weights import build_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.analysis.roofline import (HARDWARE, Cost, Hardware, decode_cost, kv_transfer_time,
+from experiments.hardware import (HARDWARE, Cost, Hardware, decode_cost, kv_transfer_time,
                                   matmul_params, measured_hardware, mixed_cost, prefill_cost)
 from workers.config import PRESETS, preset
 
@@ -160,7 +160,7 @@ def test_invalid_sizes_raise(call):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, experiments.analysis.roofline; sys.exit('torch' in sys.modules)"
+    code = "import sys, experiments.hardware; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     assert subprocess.run([sys.executable, "-c", code], cwd=root, env=env).returncode == 0

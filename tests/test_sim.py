@@ -209,7 +209,7 @@ def test_lost_transfer_is_retried_after_the_timeout():
 
 
 def test_roofline_step_model_counts_as_the_roofline_module():
-    from experiments.analysis.roofline import HARDWARE, decode_cost, prefill_cost
+    from experiments.hardware import HARDWARE, decode_cost, prefill_cost
     from workers.config import preset
 
     cfg, hw = preset("llama-3-8b"), HARDWARE["h200"]

@@ -44,7 +44,7 @@ import math
 from collections import namedtuple
 from dataclasses import dataclass
 
-from experiments.analysis.roofline import Hardware, decode_cost, kv_transfer_time, mixed_cost, prefill_cost
+from experiments.hardware import Hardware, decode_cost, kv_transfer_time, mixed_cost, prefill_cost
 from workers.config import ModelConfig
 
 MODES = ("colocated_prefill_first", "colocated_chunked", "disaggregated")  # simplest first

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from experiments.analysis.roofline import Hardware, mixed_cost
+from experiments.hardware import Hardware, mixed_cost
 from experiments.serving.stats import median_ci
 from workers.config import EngineConfig
 from workers.engine import Engine

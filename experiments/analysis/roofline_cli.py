@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.analysis.roofline import DTYPE_BYTES, Hardware, HardwareSpec, OperatingPoint, operating_points
+from experiments.hardware import DTYPE_BYTES, Hardware, HardwareSpec, OperatingPoint, operating_points
 from workers.config import ModelConfig, from_hf_config, preset
 
 def model_config(model: DictConfig | dict) -> ModelConfig:

@@ -28,7 +28,7 @@ from experiments.lesson import controlled, figures, plots as lesson_plots, rates
 from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
 from experiments.serving.machine import snapshot, usage
-from experiments.analysis.roofline import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
+from experiments.hardware import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
 from experiments.serving.compare import Estimate, best
 from experiments.config import CONF_DIR
 from experiments.serving.serve import prepare, serve_all

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from experiments.analysis.roofline import HARDWARE
+from experiments.hardware import HARDWARE
 from experiments.config import ConfigError, RunSpec
 from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.serving.metrics import summarize

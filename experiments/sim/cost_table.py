@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from hydra import compose, initialize_config_dir
 
-from experiments.analysis.roofline import HARDWARE
+from experiments.hardware import HARDWARE
 from experiments.config import ConfigError, parse
 from experiments.sim.gpu_costs import SourceUnavailable, choose
 from experiments.sim.stepmodel import chunk_features, roofline_model

@@ -111,7 +111,7 @@ def serving_link(served: dict, export: tuple, backend: str) -> TransferModel:
 
 def from_roofline(cfg: ModelConfig, hardware, dtype_bytes: int = 2, link_bw: float | None = None,
                   **efficiency) -> Costs:
-    """Datasheet costs of a GPU (a name in analysis.roofline.HARDWARE or a Hardware)."""
+    """Datasheet costs of a GPU (a name in experiments.hardware.HARDWARE or a Hardware)."""
     step = roofline_model(cfg, hardware, dtype_bytes, **efficiency)
     hw = step.hw
     copy = 2.0 / (hw.mem_bw * step.mem_eff)       # read and write once per byte

@@ -22,7 +22,7 @@ host time between two steps of one worker (scheduling, post-processing, the work
   that kind takes while serving than in isolation, and `shared_host`, how much longer its work goes
   while another worker of its host has work (the simulator applies it for that share of the step).
 - `RooflineStepModel`, for a datasheet GPU: t = overhead + max(flops / (peak * compute_eff),
-  bytes / (mem_bw * mem_eff)), with FLOPs and bytes counted as experiments/analysis/roofline.py counts
+  bytes / (mem_bw * mem_eff)), with FLOPs and bytes counted as experiments/hardware.py counts
   them (its docstring), generalised to chunks that start past token 0 (they read the KV before them).
 
 Both give `decode_run(b, context, k)`: the durations of k decode-only steps of b sequences whose
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from experiments.analysis.roofline import HARDWARE, Hardware, matmul_params
+from experiments.hardware import HARDWARE, Hardware, matmul_params
 from workers.config import ModelConfig
 
 FEATURES = ("num_decode", "decode_context", "prefill_tokens", "num_prefill", "prefill_context",
@@ -220,7 +220,7 @@ class RooflineStepModel:
         return {"kind": self.kind, "name": self.name, "hardware": asdict(self.hw), "dtype_bytes": self.dtype_bytes,
                 "compute_eff": self.compute_eff, "mem_eff": self.mem_eff, "overhead_s": self.overhead_s,
                 "gap_coef": list(self.gap_coef),
-                "source": "datasheet peaks (experiments/analysis/roofline.py) at the efficiency factors of "
+                "source": "datasheet peaks (experiments/hardware.py) at the efficiency factors of "
                           "experiments/sim/stepmodel.py"}
 
 

@@ -1,6 +1,8 @@
-"""Roofline arithmetic for one engine step: FLOPs, memory bytes, and the time a GPU needs for them.
+"""GPUs and the roofline: datasheet peaks (`HARDWARE`, the `hardware` config group), and the FLOPs,
+memory bytes and time of one engine step on them.
 
-Pure arithmetic on a `ModelConfig`; torch is imported only inside `measured_hardware`.
+Pure arithmetic on a `ModelConfig`; torch is imported only inside `measured_hardware`. It sits at the
+bottom of experiments/: the config, the simulator, the analysis and the lesson all read it.
 
 Counting model (one forward step of a Llama-style decoder, weights and KV in `dtype_bytes`):
 
