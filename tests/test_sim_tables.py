@@ -3,11 +3,11 @@ token's time, and tables that read back as the JSONL rows they stand for."""
 import numpy as np
 import pytest
 
-from experiments.serving.metrics import percentiles, summarize
+from experiments.serving.metrics import percentiles, summarize, weighted_percentiles
 from experiments.serving.steps import step_ratio
-from experiments.sim.records import request_row, step_rows, weighted_percentiles
+from experiments.serving.tables import read_table, request_columns, step_columns, step_ratio_columns, summarize_sim, write_table
+from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import Arrival, SimConfig, Simulator
-from experiments.sim.tables import read_table, request_columns, step_columns, step_ratio_columns, summarize_sim, write_table
 from tests.test_sim import costs
 from workers.config import EngineConfig
 

@@ -146,7 +146,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from experiments.config import CONF_DIR
-    from experiments.analysis.profiles import model_config
+    from experiments.serving.profiles import model_config
     from experiments.sim.gpu_costs import _model_dir
 
     ap = argparse.ArgumentParser(prog="python -m experiments.analysis.peer", description=__doc__.splitlines()[0])

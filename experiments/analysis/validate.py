@@ -35,7 +35,7 @@ from experiments.config import parse
 from experiments.report.points import find_points
 from experiments.serving.aggregate import read_jsonl
 from experiments.serving.metrics import summarize
-from experiments.analysis.profiles import profile_for
+from experiments.serving.profiles import profile_for
 from experiments.sim.backend import outputs, simulate
 from experiments.sim.costs import from_profile
 from experiments.sim.simulator import Arrival

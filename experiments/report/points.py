@@ -16,9 +16,10 @@ from functools import cached_property
 from pathlib import Path
 
 from experiments.serving.aggregate import aggregate, read_requests, read_steps, repeat_dirs
-
-STEPS_SHOWN = 100_000       # steps a report reads of a large simulation's steps.npz (experiments/sim/tables.py)
 from experiments.serving.steps import num
+from experiments.serving.tables import table_rows
+
+STEPS_SHOWN = 100_000       # steps a report reads of a large simulation's steps.npz (experiments/serving/tables.py)
 
 
 def short(x) -> str:
@@ -66,8 +67,6 @@ class Point:
     @cached_property
     def steps_note(self) -> str | None:
         """Why the report shows fewer steps than the run made, if it does."""
-        from experiments.sim.tables import table_rows
-
         path = self.repeats[0] / "steps.npz"
         if (self.repeats[0] / "steps.jsonl").is_file() or not path.is_file():
             return None

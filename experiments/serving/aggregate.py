@@ -16,6 +16,7 @@ from pathlib import Path
 
 from experiments.serving.confidence import across_repeats, replicates
 from experiments.serving.machine import combine
+from experiments.serving.tables import read_table
 from workers.probe import usable
 
 REPEAT = re.compile(r"^rep(\d+)$")
@@ -35,20 +36,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def read_requests(rep_dir: Path) -> list[dict]:
-    """A repeat's request rows: requests.jsonl, or a large simulation's requests.npz (experiments/sim/tables.py)."""
+    """A repeat's request rows: requests.jsonl, or a large simulation's requests.npz (experiments/serving/tables.py)."""
     return _rows(rep_dir, "requests")
 
 
 def read_steps(rep_dir: Path, max_rows: int | None = None) -> list[dict]:
     """A repeat's step rows: steps.jsonl, or a large simulation's steps.npz (its first `max_rows`
-    steps in time when given: experiments/sim/tables.read_table)."""
+    steps in time when given: experiments/serving/tables.read_table)."""
     return _rows(rep_dir, "steps", max_rows)
 
 
 def _rows(rep_dir: Path, name: str, max_rows: int | None = None) -> list[dict]:
     if (rep_dir / f"{name}.jsonl").is_file() or not (rep_dir / f"{name}.npz").is_file():
         return read_jsonl(rep_dir / f"{name}.jsonl")
-    from experiments.sim.tables import read_table
     return read_table(rep_dir / f"{name}.npz", max_rows)
 
 

@@ -196,7 +196,7 @@ def engines_for(spec: RunSpec) -> dict:
 def profiled_gemm_rows(spec: RunSpec):
     """The profile's cpu_gemm_rows for a CPU run on this machine left on auto, else "auto" (measured per
     process: on a GPU, on an existing cluster whose workers run elsewhere, or without a profile)."""
-    from experiments.analysis.profiles import profile_for
+    from experiments.serving.profiles import profile_for
     from workers.config import check_gemm_rows
     from workers.weights import parse_device
 

@@ -27,9 +27,9 @@ from experiments.serving.steps import step_ratio
 from experiments.sim.costs import Costs, from_gpu, from_profile
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
-from experiments.sim.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
+from experiments.serving.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
                                     summarize_sim, write_table)
-from experiments.analysis.profiles import model_config, profile_for
+from experiments.serving.profiles import model_config, profile_for
 
 # Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
 HBM_BYTES = {"a100": 80e9, "h100": 80e9, "h200": 141e9}
@@ -120,7 +120,7 @@ def outputs(sim: Simulator) -> tuple[list[dict], list[dict]]:
 
 def write_repeat(out: Path, spec: RunSpec, ident: dict, sim: Simulator, repeat: int, wall_s: float) -> dict:
     """requests.jsonl, steps.jsonl and metrics.json of one simulated repeat (docs/run-directory.md); a simulation
-    that kept no per-token times writes requests.npz and steps.npz instead (experiments/sim/tables.py)."""
+    that kept no per-token times writes requests.npz and steps.npz instead (experiments/serving/tables.py)."""
     from experiments.serving.serve import write_jsonl
 
     s = spec.slo

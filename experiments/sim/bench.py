@@ -26,7 +26,7 @@ from experiments.config import apply_layout, parse
 from experiments.config import CONF_DIR
 from experiments.serving.workload import build_workload
 from experiments.sim.backend import costs_for, simulate, write_repeat
-from experiments.sim.tables import TOKEN_TIMES_MAX
+from experiments.serving.tables import TOKEN_TIMES_MAX
 
 
 # (name, command, wall-time limit s, memory limit GB): the scale targets, each as a user runs it

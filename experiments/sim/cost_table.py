@@ -36,7 +36,7 @@ def tables(step, batches, prefills, context: int, decodes: int) -> dict:
 
 def compare(spec, context: int = 1024, decodes: int = 32, batches=BATCHES, prefills=PREFILLS) -> dict:
     """The tables of every source for a RunSpec on a datasheet GPU, the chosen source's on top."""
-    from experiments.analysis.profiles import model_config
+    from experiments.serving.profiles import model_config
     from experiments.sim.backend import costs_for, dtype_bytes
 
     if spec.hardware.name not in HARDWARE:

@@ -204,26 +204,6 @@ class Ledger:
             self.dead = self.owner.count(-1)
 
 
-def weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> dict:
-    """metrics.percentiles of the sample in which each value appears `weights` times (whole numbers):
-    the same mean and linearly interpolated p50, p90, p99, without expanding it."""
-    from experiments.serving.metrics import PERCENTILES
-
-    n = float(weights.sum())
-    if n == 0:
-        return {"mean": None, **{k: None for k in PERCENTILES}}
-    order = np.argsort(values, kind="stable")
-    v, c = values[order], np.cumsum(weights[order])
-    out = {"mean": float((values * weights).sum() / n)}
-    for key, q in PERCENTILES.items():
-        pos = q / 100 * (n - 1)
-        lo = int(np.floor(pos))
-        a = v[np.searchsorted(c, lo + 1)]                 # the value at rank lo (0-based)
-        b = v[min(np.searchsorted(c, lo + 2), len(v) - 1)]
-        out[key] = float(a + (b - a) * (pos - lo))
-    return out
-
-
 def _joined(times: list) -> np.ndarray:
     parts = [np.atleast_1d(np.asarray(t, dtype=float)) for t in times]
     return np.concatenate(parts) if parts else np.zeros(0)

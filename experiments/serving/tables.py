@@ -8,7 +8,9 @@ requests.npz with every requests.jsonl field but the per-token lists (itl_s, cli
 output_ids, itl_ms, retried_for), steps.npz with every steps.jsonl field (docs/run-directory.md).
 Missing values are NaN (numbers) or "" (text). `summarize_sim` gives metrics.summarize's dict from
 the records themselves, the pooled gaps standing in for each request's itl_s; `read_table` reads a
-table back as rows (experiments/serving/aggregate.py's read_requests and read_steps).
+table back as rows (experiments/serving/aggregate.py's read_requests and read_steps). The simulator
+writes these tables and the run directory's readers (aggregate, the report) read them, so they live
+here, below both.
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.serving.metrics import percentiles
-from experiments.sim.records import weighted_percentiles
+from experiments.serving.metrics import percentiles, weighted_percentiles
 
 TOKEN_TIMES_MAX = 20_000     # requests up to which a simulated repeat keeps every token's time (JSONL)
 
