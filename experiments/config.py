@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from cluster.config import ClusterConfig
 from cluster.transfer.base import TransferConfig
 from experiments.hardware import HardwareSpec
-from experiments.serving.workload import WorkloadConfig
+from experiments.workload import WorkloadConfig
 from router.config import FaultConfig, RouterConfig
 from workers.config import POLICIES, CheckpointError, EngineConfig, from_hf_config, preset
 from workers.weights import ModelSpec, with_checkpoint

@@ -176,7 +176,7 @@ def test_the_decision_map_and_the_planner_take_prompts_up_to_the_model_s_context
     from experiments.analysis.decision_sim import cell_config
     from experiments.config import apply_layout, parse
     from experiments.config import CONF_DIR
-    from experiments.serving.workload import build_workload
+    from experiments.workload import build_workload
     from experiments.sim.backend import simulate
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

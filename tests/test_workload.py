@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.serving.workload import LengthSpec, WorkloadConfig, WorkloadError, build_workload, load_trace
+from experiments.workload import LengthSpec, WorkloadConfig, WorkloadError, build_workload, load_trace
 
 CHAT = dict(prompt_len={"dist": "lognormal", "mean": 300, "sigma": 1.0, "min": 4, "max": 4096},
             output_len={"dist": "lognormal", "mean": 250, "sigma": 0.8, "min": 4, "max": 1024})

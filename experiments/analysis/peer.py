@@ -35,7 +35,7 @@ SYSTEM_FOR = {"a100": "a100_sxm", "h100": "h100_sxm", "h200": "h200_sxm"}
 
 def mean_lengths(spec, num: int = 4000) -> tuple[int, int]:
     """The mean prompt and output lengths of the workload the planner simulates (its sampler, its seed)."""
-    from experiments.serving.workload import build_workload
+    from experiments.workload import build_workload
 
     w = dataclasses.replace(spec.workload, num_requests=num)
     reqs = build_workload(w, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=False)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis.forked import run_all
 from experiments.config import ConfigError, apply_layout, parse
-from experiments.serving.workload import build_workload
+from experiments.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
 from experiments.sim.stepmodel import chunk_features
 

@@ -29,7 +29,7 @@ from experiments.progress import Progress, echo
 from experiments.serving.machine import shared_cores, snapshot, usage
 from experiments.serving.metrics import request_fields, summarize
 from experiments.serving.steps import step_ratio
-from experiments.serving.workload import WorkloadError, WorkloadRequest, build_workload
+from experiments.workload import WorkloadError, WorkloadRequest, build_workload
 from workers.config import gemm_route
 
 log = logging.getLogger("pdlab")

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config import apply_layout, parse
 from experiments.config import CONF_DIR
-from experiments.serving.workload import build_workload
+from experiments.workload import build_workload
 from experiments.sim.backend import costs_for, simulate, write_repeat
 from experiments.serving.tables import TOKEN_TIMES_MAX
 

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.transfer.base import TransferConfig
-from experiments.serving.workload import many_objects
+from experiments.workload import many_objects
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine
 from experiments.sim.request import sim_request
