@@ -27,6 +27,7 @@ from experiments.analysis import decision_sim
 from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
 from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
+from experiments.analysis.roofline_cli import roofline_plot
 from experiments.serving.machine import snapshot, usage
 from experiments.hardware import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
 from experiments.serving.compare import Estimate, best
@@ -57,7 +58,7 @@ def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int,
                         "measured": measured}
     here = operating_points(mcfg_here, hw_here, dtype_bytes_here, *args)
     last = list(r.hardware)[-1]
-    lesson_plots.roofline_plot(HARDWARE[last], pts, out / "roofline.png",
+    roofline_plot(HARDWARE[last], pts, out / "roofline.png",
                                title=f"{mcfg.name} on {last} (circles" + (", measured: crosses" if timed else "")
                                      + f") and {mcfg_here.name} on this device (squares)",
                                extra=[(hw_here, here, "s")], measured=timed)
