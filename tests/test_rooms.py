@@ -1,13 +1,20 @@
 """The rooms import downward only, and no modules import each other in a circle.
 
 workers (one GPU) < cluster (between GPUs) < router (a request's journey) < experiments (runs, simulation,
-analysis, lesson) < benchmarks. Every import counts, those inside functions and under TYPE_CHECKING too.
+analysis, lesson) < benchmarks; inside experiments/, its own rooms in EXPERIMENTS' order. Every import
+counts, those inside functions and under TYPE_CHECKING too.
 """
 import ast
 
 from tests.conftest import ROOT
 
 ROOMS = ["workers", "cluster", "router", "experiments", "benchmarks"]     # bottom to top
+# experiments/'s files and folders, bottom to top: what the config is made of, the config, serving
+# real points, the simulator, the report, the commands that run them, the analysis, the lesson, the
+# commands above those, and the results' scripts.
+EXPERIMENTS = ["progress", "hardware", "workload", "config", "serving", "sim", "report", "run", "server",
+               "analysis", "lesson", "plan", "profile", "validate", "roofline", "gpu_stages", "gpu_check",
+               "docs_config", "cli", "results"]
 
 
 def modules() -> dict[str, ast.Module]:
@@ -41,6 +48,17 @@ def test_no_module_imports_a_room_above_its_own():
     rank = {room: i for i, room in enumerate(ROOMS)}
     upward = sorted(f"{m} imports {dep}" for m, deps in graph().items() for dep in deps
                     if rank[dep.split(".")[0]] > rank[m.split(".")[0]])
+    assert upward == []
+
+
+def test_experiments_rooms_import_downward_only():
+    """What two of experiments/'s rooms share lives in the lower one, so each reads without those above it."""
+    g = graph()
+    inner = {m: m.split(".")[1] for m in g if m.startswith("experiments.")}
+    assert sorted(set(inner.values()) - set(EXPERIMENTS)) == [], "a new room of experiments/: place it in EXPERIMENTS"
+    rank = {room: i for i, room in enumerate(EXPERIMENTS)}
+    upward = sorted(f"{m} imports {dep}" for m, room in inner.items() for dep in g[m]
+                    if dep in inner and rank[inner[dep]] > rank[room])
     assert upward == []
 
 

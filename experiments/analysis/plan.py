@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis.forked import run_all
 from experiments.config import ConfigError, apply_layout, parse
-from experiments.workload import build_workload
 from experiments.sim.backend import costs_for, simulate
 from experiments.sim.stepmodel import chunk_features
+from experiments.workload import build_workload
 
 
 HORIZON = 10              # a probe's arrivals span at least this many TTFT targets ...

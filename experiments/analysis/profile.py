@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.serving.profiles import machine_name, profile_path
 from experiments.serving.machine import snapshot, usage
+from experiments.serving.profiles import machine_name, profile_path
 from experiments.sim.stepmodel import LinearStepModel, chunk_features, describe_factors, fit_linear, relative_errors
 from experiments.sim.transfer import fit_transfer
 

@@ -19,17 +19,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from experiments.hardware import HARDWARE
 from experiments.config import ConfigError, RunSpec
+from experiments.hardware import HARDWARE
 from experiments.serving.confidence import METHOD_WITHIN, replicates, within_run_ci
 from experiments.serving.metrics import summarize
+from experiments.serving.profiles import model_config, profile_for
 from experiments.serving.steps import step_ratio
+from experiments.serving.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
+                                        summarize_sim, write_table)
 from experiments.sim.costs import Costs, from_gpu, from_profile
 from experiments.sim.records import request_row, step_rows
 from experiments.sim.simulator import SimConfig, Simulator
-from experiments.serving.tables import (TOKEN_TIMES_MAX, request_columns, step_columns, step_ratio_columns,
-                                    summarize_sim, write_table)
-from experiments.serving.profiles import model_config, profile_for
 
 # Datasheet memory per GPU (NVIDIA A100 SXM 80GB, H100 SXM 80GB, H200 SXM 141GB).
 HBM_BYTES = {"a100": 80e9, "h100": 80e9, "h200": 141e9}

@@ -22,11 +22,10 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from experiments.config import apply_layout, parse
-from experiments.config import CONF_DIR
-from experiments.workload import build_workload
-from experiments.sim.backend import costs_for, simulate, write_repeat
+from experiments.config import CONF_DIR, apply_layout, parse
 from experiments.serving.tables import TOKEN_TIMES_MAX
+from experiments.sim.backend import costs_for, simulate, write_repeat
+from experiments.workload import build_workload
 
 
 # (name, command, wall-time limit s, memory limit GB): the scale targets, each as a user runs it

@@ -28,7 +28,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.transfer.base import TransferConfig
-from experiments.workload import many_objects
 from experiments.sim.costs import Costs
 from experiments.sim.engine import SimEngine
 from experiments.sim.request import sim_request
@@ -37,6 +36,7 @@ from experiments.sim.records import Attempt, Gaps, Record
 from experiments.sim.steps import WorkerSteps
 from experiments.sim.transfer import STREAMS, Links
 from experiments.sim.worker import Handle, HostLoad, SimWorker, nodes_of
+from experiments.workload import many_objects
 from router.config import FaultConfig, RouterConfig
 from router.journey import Journeys, why_not_retry
 from router.load_index import LoadIndex
