@@ -87,6 +87,9 @@ def test_the_bench_simulates_and_writes_a_run_and_knows_its_targets(tmp_path, ca
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["completed"] for r in line["results"]] == [300, 300]
     assert (tmp_path / "2p2d" / "rep0" / "requests.jsonl").is_file()
+    assert main(["--requests", "50", "--gpus", "8"]) == 0           # the default layouts fit any --gpus
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["layout"] for r in line["results"]] == ["colocated-chunked", "2p6d"]
     assert {t[0] for t in TARGETS} == {"run-100k-64", "bench-1m-1000", "plan-1000"}
     with pytest.raises(SystemExit, match="choose from"):
         main(["--targets", "nope"])

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--gpus", type=int, default=64)
     ap.add_argument("--rate-per-gpu", type=float, default=12.0)
-    ap.add_argument("--layouts", default="colocated-chunked,16p48d")
+    ap.add_argument("--layouts", help="comma-separated layouts (default: colocated-chunked and a 1:3 P:D split "
+                                      "of --gpus, 16p48d on 64)")
     ap.add_argument("--write", type=Path, help="also write each layout's files under this directory")
     ap.add_argument("overrides", nargs="*", default=["model=llama-3-8b", "hardware=h200", "workload=code",
                                                      "scheduler.token_budget=512", "scheduler.max_batch=256"])
@@ -101,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return targets(args.targets, args.out)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["compare=null", f"cluster.gpus={args.gpus}", *args.overrides])
+    p = max(1, args.gpus // 4)
+    layouts = args.layouts or f"colocated-chunked,{p}p{args.gpus - p}d"
     results = []
-    for layout in args.layouts.split(","):
+    for layout in layouts.split(","):
         spec = parse(apply_layout(cfg, layout))
         w = dataclasses.replace(spec.workload, num_requests=args.requests, rate=args.rate_per_gpu * args.gpus)
         t0 = time.perf_counter()
