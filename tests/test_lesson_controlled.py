@@ -69,3 +69,18 @@ def test_controlled_decodes_are_renewed_where_every_round_would_outgrow_the_mode
         assert len(r["samples"]) == 20 and all(m["stall_ms"] is not None for m in r["samples"]), r["setup"]
     with pytest.raises(ValueError, match="tokens of one episode exceed"):
         controlled.run(model, [16], num_decodes=1, context=16, prompt_len=200, repeats=2)
+
+
+def test_a_table_value_from_fewer_rounds_than_all_says_how_many():
+    """An episode without a gap while the prompt was in has no stall; the row says its stall rests on the
+    other rounds instead of passing their median off as every round's."""
+    from experiments.lesson.stall import _row
+
+    row = {"stall_ms": [5.0, 4.0, 6.0], "itl_p99_ms": [3.0, 2.0, 4.0], "ttft_ms": [9.0, 8.0, 10.0],
+           "steady_ms": [1.0, 0.9, 1.1],
+           "samples": [{"stall_ms": 5.0, "itl_p99_ms": 3.0, "ttft_ms": 9.0, "steady_ms": 1.0},
+                       {"stall_ms": None, "itl_p99_ms": None, "ttft_ms": 8.5, "steady_ms": 1.0},
+                       {"stall_ms": 6.0, "itl_p99_ms": 3.5, "ttft_ms": 9.5, "steady_ms": 1.1}]}
+    cells = _row("chunk 16", row).split(" | ")
+    assert cells[1].endswith("(2 of 3 rounds)") and cells[2].endswith("(2 of 3 rounds)")
+    assert "rounds" not in cells[3] and "rounds" not in cells[4]

@@ -13,8 +13,13 @@ def _label(chunk) -> str:
 
 
 def _row(label: str, r: dict) -> str:
+    """A setup's table row; a value that fewer rounds than all gave (an episode with no gap while the
+    prompt was in has no stall) says how many it rests on."""
+    rounds = r.get("samples") or []
+
     def c(key):
-        return compare.with_ci(est("", r[key]))
+        n = sum(m.get(key) is not None for m in rounds)
+        return compare.with_ci(est("", r[key])) + (f" ({n} of {len(rounds)} rounds)" if n < len(rounds) else "")
     return f"| {label} | {c('stall_ms')} | {c('itl_p99_ms')} | {c('ttft_ms')} | {c('steady_ms')} |"
 
 
