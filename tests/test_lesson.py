@@ -305,9 +305,11 @@ def test_lesson_on_a_tiny_config_writes_every_section_figure_and_key(tmp_path, m
             assert c["falls_below"] is None or c["falls_below"] in c["rates_per_gpu"]
     assert [c["falls_below"] for c in g["simulated"]["curves"]] == [100.0] * 4
     assert len(g["measured"]["curves"]) == 3 and g["measured"]["curves"][0]["rates"] == [6.0, 24.0]
-    for b in (g["simulated"]["breakdown"], g["measured"]["breakdown"]):
-        assert b["grew_most"] in ("queue", "prefill", "exposed_transfer", "handoff", "decode")
-        assert "the part that grew most against colocated is" in text
+    sb, mb = g["simulated"]["breakdown"], g["measured"]["breakdown"]
+    assert sb["grew_most"] in ("queue", "prefill", "exposed_transfer", "handoff", "decode")
+    assert "the part that grew most against colocated is" in text
+    assert set(mb["extra_ci"]) == set(mb["extra_ms"])            # the measured one carries its intervals
+    assert (mb["grew_most"] is None) == (len(mb["grew_most_among"]) > 1)
     # the decision map: both SLOs, the shared cell the same in both sweeps
     for s in r["decision"]["simulated"]["by_slo"].values():
         bp, bl = s["by_prompt"], s["by_link"]

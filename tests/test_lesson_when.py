@@ -1,5 +1,9 @@
-"""The lesson's goodput-against-rate sentence names what the curves show, ties included."""
-from experiments.lesson.when import most_load
+"""The lesson's goodput-against-rate sentence names what the curves show, ties included; the measured
+breakdown names the part that grew most only where its interval says so."""
+import numpy as np
+
+from experiments.lesson import rates
+from experiments.lesson.when import _breakdown, most_load
 
 
 def curve(name, last_met):
@@ -23,3 +27,34 @@ def test_all_modes_tied_says_none_carries_more():
 
 def test_no_mode_meeting_the_target_is_said():
     assert most_load([curve("a", None), curve("b", None)]) == "No mode meets the target at any rate tried."
+
+
+def _rows(n, rng, **means_ms):
+    """n completed requests whose parts scatter around `means_ms` (ms)."""
+    keys = {"queue": "queue_s", "prefill": "prefill_s", "exposed_transfer": "exposed_transfer_s", "decode": "decode_s"}
+    rows = []
+    for _ in range(n):
+        r = {"status": "ok", "handoff_s": 0.0}
+        for part, key in keys.items():
+            r[key] = max(0.0, rng.normal(means_ms.get(part, 1.0), 0.5)) / 1e3
+        r["handoff_s"] = r["exposed_transfer_s"]                # the transfer is the whole handoff
+        rows.append(r)
+    return rows
+
+
+def test_the_measured_breakdown_names_the_part_that_grew_most_only_where_the_intervals_say_so():
+    rng = np.random.default_rng(0)
+    colo = [_rows(30, rng, prefill=10.0, decode=50.0) for _ in range(3)]
+    clear = rates.measured_against([_rows(30, rng, prefill=10.0, exposed_transfer=20.0, decode=52.0)
+                                    for _ in range(3)], colo)
+    assert clear["grew_most"] == "exposed_transfer" and clear["grew_most_among"] == ["exposed_transfer"]
+    lo, hi = clear["extra_ci"]["exposed_transfer"]
+    assert lo < clear["extra_ms"]["exposed_transfer"] < hi and lo > 15
+    assert "the part that grew most against colocated is **exposed KV transfer**" in _breakdown(clear, "here")
+
+    close = rates.measured_against([_rows(30, rng, prefill=10.0, exposed_transfer=6.0, decode=55.0)
+                                    for _ in range(3)], colo)      # both grew by 5 ms
+    assert close["grew_most"] is None and set(close["grew_most_among"]) == {"exposed_transfer", "decode"}
+    text = _breakdown(close, "here")
+    assert "cannot be told apart among" in text and "exposed KV transfer" in text and "decode steps" in text
+    assert rates.measured_against([], colo)["grew_most"] is None

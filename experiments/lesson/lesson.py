@@ -224,8 +224,8 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict
     curves |= {"workload": c.workload, "num_requests": c.num_requests, "repeats": cfg.repeats,
                "runs": {k: str(runs / v) for k, v in alias.items()}}
     colo = f"chunked_{g.chunk}" if f"chunked_{g.chunk}" in named else "prefill_first"
-    curves["breakdown"] = rates.against(rates.breakdown(rates.run_rows(runs / "disaggregated")),
-                                        rates.breakdown(rates.run_rows(runs / colo)))
+    curves["breakdown"] = rates.measured_against(rates.run_rows(runs / "disaggregated"), rates.run_rows(runs / colo),
+                                                 seed=cfg.seed)
     curves["breakdown"] |= {"rate": c.rate, "colocated_point": colo}
     return ({"workload": c.workload, "rate": c.rate, "num_requests": c.num_requests, "repeats": cfg.repeats,
              "prompt_len": c.get("prompt_len"), "output_len": c.get("output_len"), "chunked": chunked, "refs": refs},

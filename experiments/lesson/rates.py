@@ -14,17 +14,21 @@ in rates per worker, as the simulated one is per GPU).
 prefill, the exposed KV transfer, the rest of the handoff and the decode steps (docs/run-directory.md: queue_s,
 prefill_s, exposed_transfer_s, handoff_s, decode_s); means over the completed requests, the dominant
 component (overall, and before the decode steps) and, against a colocated run, the component that
-grew most: the answer to "why was disaggregation slower here?".
+grew most: the answer to "why was disaggregation slower here?". For served runs (`measured_against`)
+each part's difference carries a 95% interval, and a part is named as the one that grew most only
+where it grew more than each other part in 95% of the resamples.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from experiments.analysis.decision_sim import cell_config
-import math
+import numpy as np
 
+from experiments.analysis.decision_sim import cell_config
 from experiments.analysis.plan import HORIZON, Search, _spec, attainment, kept_up
+from experiments.serving.stats import LEVEL, NUM_BOOT, interval
 
 MAX_REQUESTS = 3000       # a curve's simulation at most: past the knee a queue shows long before this
 
@@ -73,6 +77,36 @@ def against(disagg: dict, colocated: dict) -> dict:
     extra = {p: disagg["mean_ms"][p] - colocated["mean_ms"][p] for p in PARTS}
     return {"disaggregated": disagg, "colocated": colocated, "extra_ms": extra,
             "total_extra_ms": disagg["total_ms"] - colocated["total_ms"], "grew_most": max(extra, key=extra.get)}
+
+
+def measured_against(disagg: list[list[dict]], colocated: list[list[dict]], seed: int = 0,
+                     num: int = NUM_BOOT) -> dict:
+    """`against` for served runs, from each side's request rows one list per repeat: each part's extra
+    time with its interval (`extra_ci`), from resamples that draw repeats with replacement and then
+    requests within each drawn repeat. `grew_most` is the part whose extra exceeds every other part's in
+    the interval of their difference; where none does, it is None and `grew_most_among` names the part
+    with the largest extra and those it cannot be told from."""
+    out = against(breakdown([r for rep in disagg for r in rep]), breakdown([r for rep in colocated for r in rep]))
+    if out["extra_ms"] is None:
+        return out | {"extra_ci": None, "grew_most_among": None}
+    rng = np.random.default_rng(seed)
+    extra = _boot_means(disagg, rng, num) - _boot_means(colocated, rng, num)          # [num, parts]
+    top = PARTS.index(out["grew_most"])
+    among = [PARTS[top]] + [p for j, p in enumerate(PARTS) if j != top
+                            and not (interval(extra[:, top] - extra[:, j]) or (0.0, 0.0))[0] > 0]
+    return out | {"extra_ci": {p: interval(extra[:, j]) for j, p in enumerate(PARTS)},
+                  "grew_most": PARTS[top] if len(among) == 1 else None, "grew_most_among": among, "level": LEVEL}
+
+
+def _boot_means(reps: list[list[dict]], rng: np.random.Generator, num: int) -> np.ndarray:
+    """[num, len(PARTS)] mean part times in ms of the completed requests of resampled repeats."""
+    x = [np.array([[parts(r)[p] for p in PARTS] for r in rep if r.get("status", "ok") == "ok"]) for rep in reps]
+    x = [a for a in x if len(a)]
+    out = np.empty((num, len(PARTS)))
+    for b in range(num):
+        drawn = [x[i][rng.integers(0, len(x[i]), len(x[i]))] for i in rng.integers(0, len(x), len(x))]
+        out[b] = 1e3 * np.concatenate(drawn).mean(axis=0)
+    return out
 
 
 def _record_row(rec) -> dict:
@@ -137,9 +171,7 @@ def measured_curves(served: dict[str, dict], modes: list[str], rates: list[float
     return {"gpus": gpus, "target": target, "curves": curves}
 
 
-def run_rows(run_dir: Path) -> list[dict]:
-    """Every request row of a served point's repeats (rep*/requests.jsonl)."""
-    rows = []
-    for path in sorted(Path(run_dir).glob("rep*/requests.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
+def run_rows(run_dir: Path) -> list[list[dict]]:
+    """The request rows of a served point, one list per repeat (rep*/requests.jsonl)."""
+    return [[json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            for path in sorted(Path(run_dir).glob("rep*/requests.jsonl"))]

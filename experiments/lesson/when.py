@@ -219,14 +219,23 @@ def _breakdown(b: dict | None, where: str) -> str:
 
     if not b or b.get("extra_ms") is None:
         return f"{where}: no breakdown (no completed request on one side)."
-    d, co, extra = b["disaggregated"], b["colocated"], b["extra_ms"]
-    parts = ", ".join(f"{PART_NAMES[p]} {num(d['mean_ms'][p])} ({num(extra[p])} against colocated)" for p in PARTS)
+    d, co, extra, ci = b["disaggregated"], b["colocated"], b["extra_ms"], b.get("extra_ci")
+
+    def grew(p):
+        return compare.with_ci(Estimate(p, extra[p], ci[p] if ci else None), digits=None)
+    parts = ", ".join(f"{PART_NAMES[p]} {num(d['mean_ms'][p])} ({grew(p)} against colocated)" for p in PARTS)
     slower = "more" if b["total_extra_ms"] > 0 else "less"
+    if b["grew_most"] is not None:
+        most = f"the part that grew most against colocated is **{PART_NAMES[b['grew_most']]}**"
+    else:
+        most = ("the part that grew most against colocated cannot be told apart among "
+                f"{' and '.join(PART_NAMES[p] for p in b['grew_most_among'])} ({CI} intervals of their difference "
+                "include zero)")
     return (f"{where}: a disaggregated request took {num(d['total_ms'])} ms on average against {num(co['total_ms'])} ms "
             f"colocated ({num(abs(b['total_extra_ms']))} ms {slower}, means over {d['num_requests']} and "
-            f"{co['num_requests']} requests): {parts} ms. Its largest part is {PART_NAMES[d['dominant']]}; before the "
-            f"decode steps, {PART_NAMES[d['dominant_before_decode']]}; the part that grew most against colocated is "
-            f"**{PART_NAMES[b['grew_most']]}**.")
+            f"{co['num_requests']} requests{f'; {CI} intervals over repeats and requests' if ci else ''}): {parts} ms. "
+            f"Its largest part is {PART_NAMES[d['dominant']]}; before the decode steps, "
+            f"{PART_NAMES[d['dominant_before_decode']]}; {most}.")
 
 
 def most_load(curves: list[dict]) -> str:
