@@ -252,6 +252,30 @@ def parse(cfg: DictConfig) -> RunSpec:
         seed=seed, max_model_len=max_model_len, vocab_size=vocab, backend=backend, hardware=hardware)
 
 
+def hydra_problem(e: Exception) -> str:
+    """A Hydra error as one line; a missing group option lists the valid ones."""
+    from hydra.errors import MissingConfigException
+
+    line = str(e).strip().splitlines()[0]
+    if isinstance(e, MissingConfigException) and e.options:
+        group = (e.missing_cfg_file or "").rsplit("/", 1)[0]
+        line += f"; {group} can be one of: " + ", ".join(e.options)
+    return line
+
+
+def compose_config(name: str, overrides: list[str]) -> DictConfig:
+    """conf/<name>.yaml composed with `overrides`, for the commands that compose without @hydra.main; a
+    Hydra error (an unknown group option, a bad override) raises ConfigError in one line naming it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose(name, overrides=overrides)
+    except HydraException as e:
+        raise ConfigError(hydra_problem(e)) from None
+
+
 def repeats(cfg: DictConfig) -> int:
     """The top-level `repeats` (default 1): how many times each point is served."""
     n = cfg.get("repeats", 1)

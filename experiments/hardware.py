@@ -219,6 +219,13 @@ def measured_hardware(device: str = "auto", nvlink_bw: float = 0.0, pcie_bw: flo
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def dtype_bytes_of(dtype: str, key: str = "dtype") -> int:
+    """Bytes per element of a dtype name; a ValueError naming `key` for a name DTYPE_BYTES lacks."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"{key}={dtype!r}: choose from {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """The `hardware` group: a datasheet GPU (a100, h100, h200) or the device at hand (measured), with

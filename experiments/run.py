@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
-from experiments.config import CONF_DIR, ConfigError, repeats, yield_to_overrides
+from experiments.config import CONF_DIR, ConfigError, hydra_problem, repeats, yield_to_overrides
 from experiments.serving.machine import point_warnings
 from experiments.serving.metrics import format_summary
 from experiments.serving.serve import prepare, serve_all
@@ -104,17 +104,6 @@ def json_point(r: dict) -> dict:
         out[f"{section}_{stat}_ci"] = ci.get(key)
     out["step_ratio"] = (r.get("step_ratio") or {}).get("ratio")
     return out
-
-
-def hydra_problem(e: Exception) -> str:
-    """A Hydra error as one line; a missing group option lists the valid ones."""
-    from hydra.errors import MissingConfigException
-
-    line = str(e).strip().splitlines()[0]
-    if isinstance(e, MissingConfigException) and e.options:
-        group = (e.missing_cfg_file or "").rsplit("/", 1)[0]
-        line += f"; {group} can be one of: " + ", ".join(e.options)
-    return line
 
 
 def precheck(argv: list[str]) -> str | None:

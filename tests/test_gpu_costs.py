@@ -136,11 +136,15 @@ def test_the_costs_command_ends_with_one_json_line(capsys):
     assert any(line.startswith("mixed, a P-token prefill beside 32 decodes") for line in out)
 
 
-def test_an_over_long_table_is_refused():
+def test_an_over_long_table_and_an_unknown_gpu_are_refused_in_one_line():
+    from experiments.analysis import peer
     from experiments.sim.cost_table import main
 
     with pytest.raises(SystemExit, match="--context=9000 exceeds its context"):
         main(["--context", "9000", "hardware.costs=roofline"])
+    for command in (main, peer.main):
+        with pytest.raises(SystemExit, match="Could not find 'hardware/tpu'; hardware can be one of: a100"):
+            command(["hardware=tpu"])
 
 
 def test_prompts_are_bounded_by_the_models_context(capsys):

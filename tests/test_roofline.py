@@ -174,3 +174,11 @@ def test_measured_hardware_cpu_is_positive_finite_and_fast():
         assert math.isfinite(value) and value > 0
     assert hw.nvlink_bw == 0.0 and hw.pcie_bw == 0.0 and hw.net_bw == 50e9  # not measured
     assert elapsed_s < 3.0
+
+
+def test_a_dtype_name_gives_its_bytes_or_an_error_naming_the_key():
+    from experiments.hardware import dtype_bytes_of
+
+    assert dtype_bytes_of("bfloat16") == 2 and dtype_bytes_of("float32") == 4
+    with pytest.raises(ValueError, match=r"roofline.dtype='int3': choose from bfloat16, float16, float32"):
+        dtype_bytes_of("int3", "roofline.dtype")

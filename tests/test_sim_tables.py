@@ -90,6 +90,11 @@ def test_the_bench_simulates_and_writes_a_run_and_knows_its_targets(tmp_path, ca
     assert main(["--requests", "50", "--gpus", "8"]) == 0           # the default layouts fit any --gpus
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["layout"] for r in line["results"]] == ["colocated-chunked", "2p6d"]
+    assert main(["--requests", "20", "--gpus", "1"]) == 0           # one GPU: no P:D split to make
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["layout"] for r in line["results"]] == ["colocated-chunked"]
+    assert main(["--requests", "20", "hardware=tpu"]) == 2          # a bad override: one line naming it
+    assert "hardware can be one of: a100, h100, h200" in capsys.readouterr().err
     assert {t[0] for t in TARGETS} == {"run-100k-64", "bench-1m-1000", "plan-1000"}
     with pytest.raises(SystemExit, match="choose from"):
         main(["--targets", "nope"])

@@ -25,10 +25,9 @@ import math
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError, apply_layout, parse
+from experiments.config import ConfigError, apply_layout, compose_config, parse
 
 SYSTEM_FOR = {"a100": "a100_sxm", "h100": "h100_sxm", "h200": "h200_sxm"}
 
@@ -145,7 +144,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.config import CONF_DIR
     from experiments.serving.profiles import model_config
     from experiments.sim.gpu_costs import _model_dir
 
@@ -159,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for wl in args.workloads.split(","):
         for slo in args.slos.split(","):
-            with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-                cfg = compose("plan", overrides=["backend=sim", f"workload={wl}", f"slo={slo}",
-                                                 f"cluster.gpus={args.gpus}", *args.overrides])
-            spec = parse(apply_layout(OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items()
-                                                        if k not in ("plan", "hydra")}), "colocated-chunked"))
+            try:
+                cfg = compose_config("plan", ["backend=sim", f"workload={wl}", f"slo={slo}", f"cluster.gpus={args.gpus}",
+                                              *args.overrides])
+                spec = parse(apply_layout(OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items()
+                                                            if k not in ("plan", "hydra")}), "colocated-chunked"))
+            except ConfigError as e:
+                raise SystemExit(f"error: {e}") from None
             if spec.hardware.name not in SYSTEM_FOR:
                 raise SystemExit(f"error: hardware={spec.hardware.name}: the peer needs a datasheet GPU "
                                  f"({', '.join(SYSTEM_FOR)})")

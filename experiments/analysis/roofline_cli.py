@@ -14,7 +14,7 @@ import matplotlib
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.hardware import DTYPE_BYTES, Hardware, HardwareSpec, OperatingPoint, operating_points
+from experiments.hardware import Hardware, HardwareSpec, OperatingPoint, dtype_bytes_of, operating_points
 from workers.config import ModelConfig, from_hf_config, preset
 
 matplotlib.use("Agg")
@@ -83,7 +83,7 @@ def roofline_plot(hw, points, path, title: str, extra=None, measured=None) -> No
 def run(cfg: DictConfig, out_dir: Path) -> dict:
     mcfg = model_config(cfg.model)
     hw = HardwareSpec(**OmegaConf.to_container(cfg.hardware, resolve=True)).resolve()
-    dtype_bytes = DTYPE_BYTES[cfg.dtype]
+    dtype_bytes = dtype_bytes_of(cfg.dtype)
     pts = operating_points(mcfg, hw, dtype_bytes, list(cfg.prefill_tokens), list(cfg.decode_batches), cfg.context,
                            cfg.mixed.batch, cfg.mixed.chunk)
     print(f"{mcfg.name}, {cfg.dtype}")

@@ -29,7 +29,7 @@ from experiments.config import ConfigError
 from experiments.analysis.interference import gap_summary, measure
 from experiments.analysis.roofline_cli import roofline_plot
 from experiments.serving.machine import snapshot, usage
-from experiments.hardware import DTYPE_BYTES, HARDWARE, HardwareSpec, operating_points
+from experiments.hardware import HARDWARE, HardwareSpec, dtype_bytes_of, operating_points
 from experiments.serving.compare import Estimate, best
 from experiments.config import CONF_DIR
 from experiments.serving.serve import prepare, serve_all
@@ -50,10 +50,11 @@ def roofline_section(cfg: DictConfig, hw_here, mcfg_here, dtype_bytes_here: int,
     mcfg = preset(r.model)
     args = (list(r.prefill_tokens), list(r.decode_batches), r.context, r.mixed.batch, r.mixed.chunk)
     per_hw, pts, timed = {}, [], []
+    nbytes = dtype_bytes_of(r.dtype, "roofline.dtype")
     for name in r.hardware:
         hw = HARDWARE[name]
-        pts = operating_points(mcfg, hw, DTYPE_BYTES[r.dtype], *args)
-        timed, measured = measured_points(mcfg, name, DTYPE_BYTES[r.dtype], pts, r.context)
+        pts = operating_points(mcfg, hw, nbytes, *args)
+        timed, measured = measured_points(mcfg, name, nbytes, pts, r.context)
         per_hw[name] = {"hardware": asdict(hw), "ridge": hw.ridge, "points": [asdict(p) for p in pts],
                         "measured": measured}
     here = operating_points(mcfg_here, hw_here, dtype_bytes_here, *args)

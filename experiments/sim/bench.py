@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from experiments.config import CONF_DIR, apply_layout, parse
+from experiments.config import ConfigError, apply_layout, compose_config, parse
 from experiments.serving.tables import TOKEN_TIMES_MAX
 from experiments.sim.backend import costs_for, simulate, write_repeat
 from experiments.workload import build_workload
@@ -100,13 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.targets:
         return targets(args.targets, args.out)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=["compare=null", f"cluster.gpus={args.gpus}", *args.overrides])
     p = max(1, args.gpus // 4)
-    layouts = args.layouts or f"colocated-chunked,{p}p{args.gpus - p}d"
+    layouts = args.layouts or ("colocated-chunked" + (f",{p}p{args.gpus - p}d" if args.gpus > 1 else ""))
+    try:
+        cfg = compose_config("config", ["compare=null", f"cluster.gpus={args.gpus}", *args.overrides])
+        specs = [(layout, parse(apply_layout(cfg, layout))) for layout in layouts.split(",")]
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     results = []
-    for layout in layouts.split(","):
-        spec = parse(apply_layout(cfg, layout))
+    for layout, spec in specs:
         w = dataclasses.replace(spec.workload, num_requests=args.requests, rate=args.rate_per_gpu * args.gpus)
         t0 = time.perf_counter()
         arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=False)

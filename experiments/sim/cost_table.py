@@ -15,10 +15,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from hydra import compose, initialize_config_dir
-
+from experiments.config import ConfigError, compose_config, parse
 from experiments.hardware import HARDWARE
-from experiments.config import ConfigError, parse
 from experiments.sim.gpu_costs import SourceUnavailable, choose
 from experiments.sim.stepmodel import chunk_features, roofline_model
 
@@ -96,8 +94,6 @@ def render(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.config import CONF_DIR
-
     ap = argparse.ArgumentParser(prog="python -m experiments.sim.costs", description="GPU step times from each cost source side by side "
                                  "(aiconfigurator's measured database, the simulator's roofline, the datasheet bound)",
                                  epilog="overrides: Hydra overrides of the run config (model=, hardware=, "
@@ -110,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--context={args.context} and --decodes={args.decodes} must be positive")
     overrides = ["model=llama-3-8b", "hardware=h200", *args.overrides]
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose("config", overrides=["compare=null", "backend=sim", *overrides])
+        cfg = compose_config("config", ["compare=null", "backend=sim", *overrides])
         result = compare(parse(cfg), args.context, args.decodes)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
