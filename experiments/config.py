@@ -276,6 +276,39 @@ def compose_config(name: str, overrides: list[str]) -> DictConfig:
         raise ConfigError(hydra_problem(e)) from None
 
 
+def precheck(argv: list[str], name: str = "config") -> str | None:
+    """Compose conf/<name>.yaml with the command line's overrides once (the first value of each sweep),
+    so that a Hydra error is reported as one line naming the override, before Hydra starts; None: fine."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in argv if not a.startswith("-") and "=" in a and not a.lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(args)
+        firsts = []
+        for o in parsed:
+            if o.is_delete():
+                firsts.append(o.get_key_element())
+                continue
+            value = next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()
+            firsts.append(f"{o.get_key_element()}={value}")
+        compose_config(name, firsts)
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:
+        return hydra_problem(e)
+    return None
+
+
+def exit_on_bad_overrides(name: str) -> None:
+    """A Hydra command's first line: exit 2 with one "config error:" line when its overrides cannot compose."""
+    import sys
+
+    problem = precheck(sys.argv[1:], name)
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
 def repeats(cfg: DictConfig) -> int:
     """The top-level `repeats` (default 1): how many times each point is served."""
     n = cfg.get("repeats", 1)

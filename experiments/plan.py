@@ -56,8 +56,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.config import ConfigError
-    from experiments.config import CONF_DIR
+    from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides
+
+    exit_on_bad_overrides("plan")
 
     @hydra.main(version_base=None, config_path=CONF_DIR, config_name="plan")
     def app(cfg: DictConfig) -> None:

@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
-from experiments.config import CONF_DIR, ConfigError, hydra_problem, repeats, yield_to_overrides
+from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides, repeats, yield_to_overrides
 from experiments.serving.machine import point_warnings
 from experiments.serving.metrics import format_summary
 from experiments.serving.serve import prepare, serve_all
@@ -106,32 +106,6 @@ def json_point(r: dict) -> dict:
     return out
 
 
-def precheck(argv: list[str]) -> str | None:
-    """Compose the command line's config once (first value of each sweep) so that a Hydra error is
-    reported as one line naming the override, before Hydra starts."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    args = [a for a in argv if not a.startswith("-") and "=" in a and not a.lstrip("+~").startswith("hydra")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(args)
-        firsts = []
-        for o in parsed:
-            if o.is_delete():
-                firsts.append(o.get_key_element())
-                continue
-            value = next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()
-            firsts.append(f"{o.get_key_element()}={value}")
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            compose("config", overrides=firsts)
-    except Exception as e:
-        return hydra_problem(e)
-    return None
-
-
 if __name__ == "__main__":
-    problem = precheck(sys.argv[1:])
-    if problem:
-        print(f"config error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_bad_overrides("config")
     main()

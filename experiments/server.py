@@ -27,8 +27,7 @@ import uvicorn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import ConfigError, RunSpec, points, section
-from experiments.config import CONF_DIR
+from experiments.config import CONF_DIR, ConfigError, RunSpec, exit_on_bad_overrides, points, section
 from experiments.serving.serve import engines_for, ensure_ray, request_row, step_row
 from router.frontend import Frontend
 from router.openai_api import build_app
@@ -264,4 +263,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_bad_overrides("serve")
     main()

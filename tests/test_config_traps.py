@@ -8,9 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from experiments.config import ConfigError, points, precheck, yield_to_overrides
 from experiments.serving.capacity import GiB, check_memory, need
-from experiments.config import ConfigError, points, yield_to_overrides
-from experiments.run import precheck
 from tests.conftest import ROOT
 
 CONF = str(ROOT / "conf")
@@ -105,6 +104,17 @@ def test_gpu_preset_on_this_machine_fails_at_once(tmp_path):
 def test_an_unknown_group_option_lists_the_valid_ones():
     assert precheck(["model=llama3"]) == ("In 'config': Could not find 'model/llama3'; model can be one of: "
                                           "llama-3-70b, llama-3-8b, llama-3.2-1b, smollm2-135m, tiny")
+
+
+def test_every_hydra_command_refuses_a_bad_override_in_one_line():
+    """plan, lesson, roofline, profile and serve check their overrides as run does, before Hydra starts."""
+    assert precheck(["slo=nope"], "plan").endswith("slo can be one of: batch, default, interactive, tight")
+    assert "hardware can be one of: a100" in precheck(["hardware=tpu"], "roofline")
+    assert precheck(["model=tiny"], "lesson") is None and precheck(["cluster.nope=1"], "serve") is not None
+    proc = subprocess.run([sys.executable, "-m", "experiments.plan", "slo=nope"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "config error: In 'config': Could not find 'slo/nope'; slo can be one of: batch, default, interactive, tight"]
 
 
 def test_help_describes_every_key_in_one_line(monkeypatch, capsys):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config import ConfigError, points
+from experiments.config import ConfigError, points, precheck
 from experiments.report.report import build_report
-from experiments.run import precheck, warnings
+from experiments.run import warnings
 from tests.conftest import ROOT
 
 CONF = str(ROOT / "conf")

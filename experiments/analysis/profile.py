@@ -372,6 +372,10 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
+    from experiments.config import exit_on_bad_overrides
+
+    exit_on_bad_overrides("profile")
+
     @hydra.main(version_base=None, config_path=str(ROOT / "conf"), config_name="profile")
     def app(cfg) -> None:
         try:

@@ -14,6 +14,7 @@ import matplotlib
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config import CONF_DIR, exit_on_bad_overrides
 from experiments.hardware import Hardware, HardwareSpec, OperatingPoint, dtype_bytes_of, operating_points
 from workers.config import ModelConfig, from_hf_config, preset
 
@@ -101,8 +102,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[2] / "conf"),
-                config_name="roofline")
+    exit_on_bad_overrides("roofline")
+
+    @hydra.main(version_base=None, config_path=CONF_DIR, config_name="roofline")
     def app(cfg: DictConfig) -> None:
         try:
             result = run(cfg, Path(HydraConfig.get().runtime.output_dir))

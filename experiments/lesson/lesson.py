@@ -25,13 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
 from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
-from experiments.config import ConfigError
+from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides
 from experiments.analysis.interference import gap_summary, measure
 from experiments.analysis.roofline_cli import roofline_plot
 from experiments.serving.machine import snapshot, usage
 from experiments.hardware import HARDWARE, HardwareSpec, dtype_bytes_of, operating_points
 from experiments.serving.compare import Estimate, best
-from experiments.config import CONF_DIR
 from experiments.serving.serve import prepare, serve_all
 from workers.config import preset
 from workers.weights import build_model, parse_device, resolve_dtype
@@ -384,4 +383,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_bad_overrides("lesson")
     main()
