@@ -50,11 +50,16 @@ def test_the_measured_breakdown_names_the_part_that_grew_most_only_where_the_int
     assert clear["grew_most"] == "exposed_transfer" and clear["grew_most_among"] == ["exposed_transfer"]
     lo, hi = clear["extra_ci"]["exposed_transfer"]
     assert lo < clear["extra_ms"]["exposed_transfer"] < hi and lo > 15
-    assert "the part that grew most against colocated is **exposed KV transfer**" in _breakdown(clear, "here")
+    text = _breakdown(clear, "here")
+    assert "the part that grew most against colocated is **exposed KV transfer**" in text
+    lo, hi = clear["total_extra_ci"]
+    assert lo > 0 and f"ms more, 95% interval of the difference [{lo:.1f}, {hi:.1f}] ms" in text
 
     close = rates.measured_against([_rows(30, rng, prefill=10.0, exposed_transfer=6.0, decode=55.0)
                                     for _ in range(3)], colo)      # both grew by 5 ms
     assert close["grew_most"] is None and set(close["grew_most_among"]) == {"exposed_transfer", "decode"}
     text = _breakdown(close, "here")
     assert "cannot be told apart among" in text and "exposed KV transfer" in text and "decode steps" in text
+    same = rates.measured_against(colo[:2], colo[1:])              # the same requests on both sides, shuffled
+    assert same["total_extra_ci"][0] < 0 < same["total_extra_ci"][1] and "(no different: " in _breakdown(same, "here")
     assert rates.measured_against([], colo)["grew_most"] is None

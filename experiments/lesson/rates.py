@@ -82,19 +82,20 @@ def against(disagg: dict, colocated: dict) -> dict:
 def measured_against(disagg: list[list[dict]], colocated: list[list[dict]], seed: int = 0,
                      num: int = NUM_BOOT) -> dict:
     """`against` for served runs, from each side's request rows one list per repeat: each part's extra
-    time with its interval (`extra_ci`), from resamples that draw repeats with replacement and then
+    time with its interval (`extra_ci`; the whole request's: `total_extra_ci`), from resamples that draw repeats with replacement and then
     requests within each drawn repeat. `grew_most` is the part whose extra exceeds every other part's in
     the interval of their difference; where none does, it is None and `grew_most_among` names the part
     with the largest extra and those it cannot be told from."""
     out = against(breakdown([r for rep in disagg for r in rep]), breakdown([r for rep in colocated for r in rep]))
     if out["extra_ms"] is None:
-        return out | {"extra_ci": None, "grew_most_among": None}
+        return out | {"extra_ci": None, "total_extra_ci": None, "grew_most_among": None}
     rng = np.random.default_rng(seed)
     extra = _boot_means(disagg, rng, num) - _boot_means(colocated, rng, num)          # [num, parts]
     top = PARTS.index(out["grew_most"])
     among = [PARTS[top]] + [p for j, p in enumerate(PARTS) if j != top
                             and not (interval(extra[:, top] - extra[:, j]) or (0.0, 0.0))[0] > 0]
     return out | {"extra_ci": {p: interval(extra[:, j]) for j, p in enumerate(PARTS)},
+                  "total_extra_ci": interval(extra.sum(axis=1)),
                   "grew_most": PARTS[top] if len(among) == 1 else None, "grew_most_among": among, "level": LEVEL}
 
 

@@ -214,6 +214,10 @@ def _knee(c: dict, unit: str) -> str:
     return f"{c['name']} meets it up to {num(c['last_met'])}{unit} and falls below at {num(c['falls_below'])}{unit}"
 
 
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def _breakdown(b: dict | None, where: str) -> str:
     from experiments.lesson.rates import PART_NAMES, PARTS
 
@@ -224,15 +228,22 @@ def _breakdown(b: dict | None, where: str) -> str:
     def grew(p):
         return compare.with_ci(Estimate(p, extra[p], ci[p] if ci else None), digits=None)
     parts = ", ".join(f"{PART_NAMES[p]} {num(d['mean_ms'][p])} ({grew(p)} against colocated)" for p in PARTS)
-    slower = "more" if b["total_extra_ms"] > 0 else "less"
+    total, total_ci = b["total_extra_ms"], b.get("total_extra_ci")
+    span = f"{CI} interval of the difference [{num(total_ci[0])}, {num(total_ci[1])}] ms" if total_ci else ""
+    if not ci:                                  # one simulation: its own numbers, no interval
+        slower = f"{num(abs(total))} ms {'more' if total > 0 else 'less'}"
+    elif total_ci and (total_ci[0] > 0 or total_ci[1] < 0):
+        slower = f"{num(abs(total))} ms {'more' if total > 0 else 'less'}, {span}"
+    else:
+        slower = f"no different: {num(total)} ms, {span or 'no interval'}"
     if b["grew_most"] is not None:
         most = f"the part that grew most against colocated is **{PART_NAMES[b['grew_most']]}**"
     else:
         most = ("the part that grew most against colocated cannot be told apart among "
-                f"{' and '.join(PART_NAMES[p] for p in b['grew_most_among'])} ({CI} intervals of their difference "
+                f"{_listed([PART_NAMES[p] for p in b['grew_most_among']])} ({CI} intervals of their difference "
                 "include zero)")
     return (f"{where}: a disaggregated request took {num(d['total_ms'])} ms on average against {num(co['total_ms'])} ms "
-            f"colocated ({num(abs(b['total_extra_ms']))} ms {slower}, means over {d['num_requests']} and "
+            f"colocated ({slower}, means over {d['num_requests']} and "
             f"{co['num_requests']} requests{f'; {CI} intervals over repeats and requests' if ci else ''}): {parts} ms. "
             f"Its largest part is {PART_NAMES[d['dominant']]}; before the decode steps, "
             f"{PART_NAMES[d['dominant_before_decode']]}; {most}.")
