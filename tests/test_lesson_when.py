@@ -54,6 +54,9 @@ def test_the_measured_breakdown_names_the_part_that_grew_most_only_where_the_int
     assert "the part that grew most against colocated is **exposed KV transfer**" in text
     lo, hi = clear["total_extra_ci"]
     assert lo > 0 and f"ms more, 95% interval of the difference [{lo:.1f}, {hi:.1f}] ms" in text
+    assert "95% intervals over repeats and requests" in text
+    one = rates.measured_against([_rows(30, rng, exposed_transfer=20.0)], colo[:1])
+    assert "95% intervals over requests (one repeat)" in _breakdown(one, "here")
 
     close = rates.measured_against([_rows(30, rng, prefill=10.0, exposed_transfer=6.0, decode=55.0)
                                     for _ in range(3)], colo)      # both grew by 5 ms

@@ -95,7 +95,7 @@ def measured_against(disagg: list[list[dict]], colocated: list[list[dict]], seed
     among = [PARTS[top]] + [p for j, p in enumerate(PARTS) if j != top
                             and not (interval(extra[:, top] - extra[:, j]) or (0.0, 0.0))[0] > 0]
     return out | {"extra_ci": {p: interval(extra[:, j]) for j, p in enumerate(PARTS)},
-                  "total_extra_ci": interval(extra.sum(axis=1)),
+                  "total_extra_ci": interval(extra.sum(axis=1)), "repeats": min(len(disagg), len(colocated)),
                   "grew_most": PARTS[top] if len(among) == 1 else None, "grew_most_among": among, "level": LEVEL}
 
 

@@ -218,6 +218,10 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
+def _over(b: dict) -> str:
+    return f"; {CI} intervals over " + ("repeats and requests" if b.get("repeats", 1) > 1 else "requests (one repeat)")
+
+
 def _breakdown(b: dict | None, where: str) -> str:
     from experiments.lesson.rates import PART_NAMES, PARTS
 
@@ -244,7 +248,7 @@ def _breakdown(b: dict | None, where: str) -> str:
                 "include zero)")
     return (f"{where}: a disaggregated request took {num(d['total_ms'])} ms on average against {num(co['total_ms'])} ms "
             f"colocated ({slower}, means over {d['num_requests']} and "
-            f"{co['num_requests']} requests{f'; {CI} intervals over repeats and requests' if ci else ''}): {parts} ms. "
+            f"{co['num_requests']} requests{_over(b) if ci else ''}): {parts} ms. "
             f"Its largest part is {PART_NAMES[d['dominant']]}; before the decode steps, "
             f"{PART_NAMES[d['dominant_before_decode']]}; {most}.")
 
