@@ -117,7 +117,8 @@ def test_a_small_real_run_is_simulated_within_a_loose_tolerance(tiny):
 def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     """backend=sim through experiments.run writes the files of a real run; experiments.validate replays
     that directory (here against the simulator itself, with the profile in the repository) and ends
-    with the JSON line the issue gives: the same simulator on the same requests, every error zero."""
+    with the JSON line the issue gives: the same simulator on the same requests, every error zero. Its
+    speed ratio reads 1 there, and 1.3 for a run priced by a profile whose steps all take 1.3x as long."""
     import json
     import subprocess
     import sys
@@ -139,13 +140,30 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(line) == {"met", "total", "inside", "judged", "errors", "max_abs_error", "real_spread"}
+    assert set(line) == {"met", "total", "inside", "judged", "errors", "max_abs_error", "real_spread", "speed_ratio"}
+    # a run made at the profile's own speed: its steps read the factors the profile was calibrated at
+    assert set(line["speed_ratio"]) == {"decode", "prefill"}
+    assert all(r == pytest.approx(1.0, abs=0.05) for r in line["speed_ratio"].values()), line["speed_ratio"]
     assert set(line["real_spread"]) == set(line["errors"])     # per value; None for a point of one repeat
     assert all(v is None for v in line["real_spread"].values())
     assert "1p1d/ttft_mean" in line["errors"] and "colocated-chunked/itl_p99" in line["errors"]
     assert line["met"] == line["total"] == 51 and line["judged"] == line["inside"] == 0   # one repeat: no range
     assert line["max_abs_error"] == pytest.approx(0.0, abs=1e-9)
     assert "simulated: 51 of 51 met" in proc.stdout
+
+    # the same requests on a machine whose steps all take 1.3x as long: the run reads 1.3x the speed ratio
+    slow = json.loads(profile.read_text())
+    slow["step_model"]["coef"] = [1.3 * c for c in slow["step_model"]["coef"]]
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "backend=sim", f"hardware.profile={tmp_path / 'slow.json'}",
+                           "workload.num_requests=30", "report=false", f"hydra.run.dir={tmp_path / 'slow'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "experiments.validate", str(tmp_path / "slow"), "--profile", str(profile)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ratios = json.loads(proc.stdout.strip().splitlines()[-1])["speed_ratio"]
+    assert all(r == pytest.approx(1.3, abs=0.07) for r in ratios.values()), ratios
+    assert "decode steps 1.3" in proc.stdout and "profile again" in proc.stdout
 
 
 def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):

@@ -16,8 +16,12 @@ calibration out (a step factor: decode, prefill, shared_host, spread; or gap_s, 
 handoff): how a factor is shown to earn its place. `--calibration DIR` recalibrates the profile's
 serving part from another real run (one made beside the run validated, never the run itself).
 
+Below the table, `machine speed` compares the run's decode and prefill steps with the profile's
+(`machine_speed`): a machine that runs slower or faster than when profiled moves every simulated time
+with it.
+
 The last line is JSON: {"met": n, "total": n, "inside": n, "judged": n, "errors": {...},
-"max_abs_error": x, "real_spread": {...}} (judged: values with a spread to lie within, i.e. points of
+"max_abs_error": x, "real_spread": {...}, "speed_ratio": {"decode": x, "prefill": x}} (judged: values with a spread to lie within, i.e. points of
 two repeats or more), and with --against {"against": {the same counts and errors}}; keys "<metric>"
 for a run of one point, "<point>/<metric>" for several.
 """
@@ -174,7 +178,27 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
               "costs": {"source": costs.source, **costs.detail,
                         "run_other_cores": _machine(p.repeats[0]).get("other_cores")}}
         results.append(r)
-    return {"points": results, "against": str(against) if against is not None else None}
+    speed = machine_speed(run_dir, Path(profile or profile_for(_spec(points[0].repeats[0]))))
+    return {"points": results, "against": str(against) if against is not None else None, "speed": speed}
+
+
+def machine_speed(run_dir: Path, profile: Path) -> dict | None:
+    """How fast the run's steps went against the profile's, per kind (decode, prefill): the run's own
+    factor (its steps of that kind with no other worker of their host busy, measured over the profile's
+    isolated prediction, as calibrate reads it) over the one the profile's calibration read. A ratio
+    away from 1 says the machine ran at another speed than when it was profiled, and the simulated times
+    are off by about as much. A diagnostic only: nothing of it reaches the simulation."""
+    from experiments.analysis.calibrate import calibrate
+
+    prof = json.loads(Path(profile).read_text())
+    step, then = prof.get("step_model") or {}, (prof.get("serving") or {}).get("factors") or {}
+    if step.get("kind") != "linear":
+        return None
+    model = LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms"))
+    now = calibrate([Path(run_dir)], model)["factors"]
+    ratios = {k: now[k] / then[k] for k in ("decode", "prefill") if now.get(k) and then.get(k)}
+    return {"ratio": ratios, "run": {k: now[k] for k in ratios}, "profile": {k: then[k] for k in ratios},
+            "profiled": prof.get("refitted") or prof.get("created")} if ratios else None
 
 
 def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
@@ -233,6 +257,7 @@ def summary(result: dict) -> dict:
             r, real = p["real_range"].get(k), p["real"].get(k)
             spread[f"{p['point']}/{k}" if many else k] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
     line |= {"max_abs_error": max(defined) if defined else None, "real_spread": spread}
+    line["speed_ratio"] = (result.get("speed") or {}).get("ratio")          # {kind: x}, None: not read
     if result.get("against"):
         line["against"] = counts(result, "other") | {"run": result["against"]}
     return line
@@ -278,6 +303,14 @@ def print_table(result: dict) -> None:
     cal = c.get("calibration_other_cores")
     print(f"other processes' CPU: {'n/a' if cal is None else f'{cal:.2f}'} cores during the calibration, "
           f"{', '.join(f'{x:.2f}' for x in runs) or 'n/a'} during the run (first repeat of each point)")
+    sp = result.get("speed")
+    if sp:
+        kinds = ", ".join(f"{k} steps {r:.2f}x as long (x{sp['run'][k]:.2f} the profile's isolated steps, "
+                          f"x{sp['profile'][k]:.2f} then)" for k, r in sp["ratio"].items())
+        far = any(abs(r - 1) > TARGETS["p90"] for r in sp["ratio"].values())
+        print(f"machine speed against the profile's calibration ({sp['profiled']}): {kinds}" + (
+            "; the simulated times are off by about as much: validate --calibration with a run made beside this "
+            "one, or profile again" if far else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
