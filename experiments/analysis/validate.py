@@ -195,7 +195,10 @@ def machine_speed(run_dir: Path, profile: Path) -> dict | None:
     if step.get("kind") != "linear":
         return None
     model = LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms"))
-    now = calibrate([Path(run_dir)], model)["factors"]
+    try:
+        now = calibrate([Path(run_dir)], model)["factors"]
+    except ValueError:                          # too little of the run to read a factor from
+        return None
     ratios = {k: now[k] / then[k] for k in ("decode", "prefill") if now.get(k) and then.get(k)}
     return {"ratio": ratios, "run": {k: now[k] for k in ratios}, "profile": {k: then[k] for k in ratios},
             "profiled": prof.get("refitted") or prof.get("created")} if ratios else None
