@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     for wl in args.workloads.split(","):
         for slo in args.slos.split(","):
             try:
-                cfg = compose_config("plan", ["backend=sim", f"workload={wl}", f"slo={slo}", f"cluster.gpus={args.gpus}",
-                                              *args.overrides])
+                cfg = compose_config("plan", ["backend=sim", f"workload={wl}", f"slo={slo}",
+                                              f"cluster.gpus={args.gpus}", *args.overrides])
                 spec = parse(apply_layout(OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items()
                                                             if k not in ("plan", "hydra")}), "colocated-chunked"))
             except ConfigError as e:

@@ -21,8 +21,8 @@ Below the table, `machine speed` compares the run's decode and prefill steps wit
 with it.
 
 The last line is JSON: {"met": n, "total": n, "inside": n, "judged": n, "errors": {...},
-"max_abs_error": x, "real_spread": {...}, "speed_ratio": {"decode": x, "prefill": x}} (judged: values with a spread to lie within, i.e. points of
-two repeats or more), and with --against {"against": {the same counts and errors}}; keys "<metric>"
+"max_abs_error": x, "real_spread": {...}, "speed_ratio": {"decode": x, "prefill": x}} (judged: values
+with a spread to lie within, i.e. points of two repeats or more), and with --against {"against": {the same counts and errors}}; keys "<metric>"
 for a run of one point, "<point>/<metric>" for several.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ prefill_s, exposed_transfer_s, handoff_s, decode_s); means over the completed re
 component (overall, and before the decode steps) and, against a colocated run, the component that
 grew most: the answer to "why was disaggregation slower here?". For served runs (`measured_against`)
 each part's difference carries a 95% interval, and a part is named as the one that grew most only
-where it grew more than each other part in 95% of the resamples.
+where the 95% interval of its extra over each other part's lies above zero.
 """
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ def against(disagg: dict, colocated: dict) -> dict:
 def measured_against(disagg: list[list[dict]], colocated: list[list[dict]], seed: int = 0,
                      num: int = NUM_BOOT) -> dict:
     """`against` for served runs, from each side's request rows one list per repeat: each part's extra
-    time with its interval (`extra_ci`; the whole request's: `total_extra_ci`), from resamples that draw repeats with replacement and then
-    requests within each drawn repeat. `grew_most` is the part whose extra exceeds every other part's in
-    the interval of their difference; where none does, it is None and `grew_most_among` names the part
-    with the largest extra and those it cannot be told from."""
+    time with its interval (`extra_ci`; the whole request's: `total_extra_ci`), from resamples that
+    draw repeats with replacement and then requests within each drawn repeat. `grew_most` is the part
+    whose extra exceeds every other part's in the interval of their difference; where none does, it is
+    None and `grew_most_among` names the part with the largest extra and those it cannot be told from."""
     out = against(breakdown([r for rep in disagg for r in rep]), breakdown([r for rep in colocated for r in rep]))
     if out["extra_ms"] is None:
         return out | {"extra_ci": None, "total_extra_ci": None, "grew_most_among": None}
