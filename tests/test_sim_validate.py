@@ -164,9 +164,14 @@ def test_a_simulated_run_writes_a_run_directory_that_validate_replays(tmp_path):
     ratios = json.loads(proc.stdout.strip().splitlines()[-1])["speed_ratio"]
     assert all(r == pytest.approx(1.3, abs=0.07) for r in ratios.values()), ratios
     assert "decode steps 1.3" in proc.stdout and "profile again" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "experiments.validate", str(tmp_path / "slow"), "--profile", str(profile),
+                           "--calibration", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ratios = json.loads(proc.stdout.strip().splitlines()[-1])["speed_ratio"]      # set against what priced it:
+    assert all(r == pytest.approx(1.3, abs=0.07) for r in ratios.values()), ratios  # a calibration at the old speed
+    assert f"machine speed against the calibration from {run}" in proc.stdout
     from experiments.analysis.validate import machine_speed
     (tmp_path / "empty").mkdir()
-    assert machine_speed(tmp_path / "empty", profile) is None          # nothing to read a factor from: no line
+    assert machine_speed(tmp_path / "empty", profile, {}, "x") is None     # nothing to read a factor from: no line
 
 
 def test_validate_against_another_run_of_the_same_requests_measures_how_far_runs_are_apart(tmp_path):

@@ -16,9 +16,9 @@ calibration out (a step factor: decode, prefill, shared_host, spread; or gap_s, 
 handoff): how a factor is shown to earn its place. `--calibration DIR` recalibrates the profile's
 serving part from another real run (one made beside the run validated, never the run itself).
 
-Below the table, `machine speed` compares the run's decode and prefill steps with the profile's
-(`machine_speed`): a machine that runs slower or faster than when profiled moves every simulated time
-with it.
+Below the table, `machine speed` sets the run's decode and prefill steps against what the simulation
+priced them at (`machine_speed`): a machine that runs slower or faster than when its calibration ran
+moves every simulated time with it.
 
 The last line is JSON: {"met": n, "total": n, "inside": n, "judged": n, "errors": {...},
 "max_abs_error": x, "real_spread": {...}, "speed_ratio": {"decode": x, "prefill": x}} (judged: values
@@ -178,20 +178,26 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
               "costs": {"source": costs.source, **costs.detail,
                         "run_other_cores": _machine(p.repeats[0]).get("other_cores")}}
         results.append(r)
-    speed = machine_speed(run_dir, Path(profile or profile_for(_spec(points[0].repeats[0]))))
+    path = Path(profile or profile_for(_spec(points[0].repeats[0])))
+    prof = json.loads(path.read_text())
+    by = (f"the calibration from {calibration}" if calibration is not None else
+          f"the profile's calibration ({prof.get('refitted') or prof.get('created')})" if calibrated else
+          "the profile's isolated steps (uncalibrated)") + (f", without {', '.join(without)}" if without else "")
+    speed = machine_speed(run_dir, path, results[0]["costs"].get("factors") or {}, by)
     return {"points": results, "against": str(against) if against is not None else None, "speed": speed}
 
 
-def machine_speed(run_dir: Path, profile: Path) -> dict | None:
-    """How fast the run's steps went against the profile's, per kind (decode, prefill): the run's own
-    factor (its steps of that kind with no other worker of their host busy, measured over the profile's
-    isolated prediction, as calibrate reads it) over the one the profile's calibration read. A ratio
-    away from 1 says the machine ran at another speed than when it was profiled, and the simulated times
-    are off by about as much. A diagnostic only: nothing of it reaches the simulation."""
+def machine_speed(run_dir: Path, profile: Path, factors: dict, priced_by: str) -> dict | None:
+    """How fast the run's steps went against what the simulation priced them at, per kind (decode,
+    prefill): the run's own factor (its steps of that kind with no other worker of their host busy,
+    measured over the profile's isolated prediction, as calibrate reads it) over the factor in use
+    (`factors`, from `priced_by`; a kind it lacks at 1). A ratio away from 1 says the machine ran at
+    another speed than the calibration's, and the simulated times are off by about as much. A
+    diagnostic only: nothing of it reaches the simulation."""
     from experiments.analysis.calibrate import calibrate
 
     prof = json.loads(Path(profile).read_text())
-    step, then = prof.get("step_model") or {}, (prof.get("serving") or {}).get("factors") or {}
+    step = prof.get("step_model") or {}
     if step.get("kind") != "linear":
         return None
     model = LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms"))
@@ -199,9 +205,11 @@ def machine_speed(run_dir: Path, profile: Path) -> dict | None:
         now = calibrate([Path(run_dir)], model)["factors"]
     except ValueError:                          # too little of the run to read a factor from
         return None
-    ratios = {k: now[k] / then[k] for k in ("decode", "prefill") if now.get(k) and then.get(k)}
-    return {"ratio": ratios, "run": {k: now[k] for k in ratios}, "profile": {k: then[k] for k in ratios},
-            "profiled": prof.get("refitted") or prof.get("created")} if ratios else None
+    kinds = [k for k in ("decode", "prefill") if now.get(k)]
+    if not kinds:
+        return None
+    return {"ratio": {k: now[k] / factors.get(k, 1.0) for k in kinds}, "run": {k: now[k] for k in kinds},
+            "priced": {k: factors.get(k, 1.0) for k in kinds}, "by": priced_by}
 
 
 def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
@@ -309,9 +317,9 @@ def print_table(result: dict) -> None:
     sp = result.get("speed")
     if sp:
         kinds = ", ".join(f"{k} steps {r:.2f}x as long (x{sp['run'][k]:.2f} the profile's isolated steps, "
-                          f"x{sp['profile'][k]:.2f} then)" for k, r in sp["ratio"].items())
+                          f"priced at x{sp['priced'][k]:.2f})" for k, r in sp["ratio"].items())
         far = any(abs(r - 1) > TARGETS["p90"] for r in sp["ratio"].values())
-        print(f"machine speed against the profile's calibration ({sp['profiled']}): {kinds}" + (
+        print(f"machine speed against {sp['by']}: {kinds}" + (
             "; the simulated times are off by about as much: validate --calibration with a run made beside this "
             "one, or profile again" if far else ""))
 
