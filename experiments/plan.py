@@ -56,7 +56,8 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides
+    from experiments.compose import exit_on_bad_overrides
+    from experiments.config import CONF_DIR, ConfigError
 
     exit_on_bad_overrides("plan")
 

@@ -21,7 +21,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.serving.compare import MIN_DIFFERENCE, headline_sentences
-from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides, repeats, yield_to_overrides
+from experiments.compose import exit_on_bad_overrides
+from experiments.config import CONF_DIR, ConfigError, repeats, yield_to_overrides
 from experiments.serving.machine import point_warnings
 from experiments.serving.metrics import format_summary
 from experiments.serving.serve import prepare, serve_all

@@ -27,7 +27,8 @@ import uvicorn
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import CONF_DIR, ConfigError, RunSpec, exit_on_bad_overrides, points, section
+from experiments.compose import exit_on_bad_overrides
+from experiments.config import CONF_DIR, ConfigError, RunSpec, points, section
 from experiments.serving.serve import engines_for, ensure_ray, request_row, step_row
 from router.frontend import Frontend
 from router.openai_api import build_app

@@ -8,7 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError, points, precheck, yield_to_overrides
+from experiments.compose import precheck
+from experiments.config import ConfigError, points, yield_to_overrides
 from experiments.serving.capacity import GiB, check_memory, need
 from tests.conftest import ROOT
 

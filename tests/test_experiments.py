@@ -2,12 +2,12 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config import ConfigError, points, precheck
+from experiments.compose import precheck
+from experiments.config import ConfigError, points
 from experiments.report.report import build_report
 from experiments.run import warnings
 from tests.conftest import ROOT

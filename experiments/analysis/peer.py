@@ -27,7 +27,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError, apply_layout, compose_config, parse
+from experiments.compose import compose_config
+from experiments.config import ConfigError, apply_layout, parse
 
 SYSTEM_FOR = {"a100": "a100_sxm", "h100": "h100_sxm", "h200": "h200_sxm"}
 

@@ -372,7 +372,7 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.config import exit_on_bad_overrides
+    from experiments.compose import exit_on_bad_overrides
 
     exit_on_bad_overrides("profile")
 

@@ -14,7 +14,8 @@ import matplotlib
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import CONF_DIR, exit_on_bad_overrides
+from experiments.compose import exit_on_bad_overrides
+from experiments.config import CONF_DIR
 from experiments.hardware import Hardware, HardwareSpec, OperatingPoint, dtype_bytes_of, operating_points
 from workers.config import ModelConfig, from_hf_config, preset
 

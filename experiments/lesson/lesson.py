@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
 from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
-from experiments.config import CONF_DIR, ConfigError, exit_on_bad_overrides
+from experiments.compose import exit_on_bad_overrides
+from experiments.config import CONF_DIR, ConfigError
 from experiments.analysis.interference import gap_summary, measure
 from experiments.analysis.roofline_cli import roofline_plot
 from experiments.serving.machine import snapshot, usage

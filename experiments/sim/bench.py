@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.config import ConfigError, apply_layout, compose_config, parse
+from experiments.compose import compose_config
+from experiments.config import ConfigError, apply_layout, parse
 from experiments.serving.tables import TOKEN_TIMES_MAX
 from experiments.sim.backend import costs_for, simulate, write_repeat
 from experiments.workload import build_workload

@@ -15,7 +15,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from experiments.config import ConfigError, compose_config, parse
+from experiments.compose import compose_config
+from experiments.config import ConfigError, parse
 from experiments.hardware import HARDWARE
 from experiments.sim.gpu_costs import SourceUnavailable, choose
 from experiments.sim.stepmodel import chunk_features, roofline_model
