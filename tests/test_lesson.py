@@ -5,10 +5,8 @@ import re
 import subprocess
 import sys
 
-import pytest
-import torch
-
 import numpy as np
+import pytest
 
 from experiments.analysis.interference import inflation, measure, rounds
 from experiments.hardware import Hardware
@@ -206,24 +204,6 @@ def test_roofline_command(tmp_path):
 
 
 # -- the rate curves and the breakdown -----------------------------------------------------------
-def test_knee_breakdown_and_the_part_that_grew_most():
-    from experiments.lesson import rates
-
-    assert rates.knee([1, 2, 4, 8], [True, True, False, True]) == {"last_met": 2, "falls_below": 4}
-    assert rates.knee([1, 2], [False, True]) == {"last_met": None, "falls_below": 1}
-    assert rates.knee([1, 2], [True, True]) == {"last_met": 2, "falls_below": None}
-    dis = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": 0.03, "handoff_s": 0.05,
-            "decode_s": 0.2}, {"status": "failed", "queue_s": 9.0}]
-    col = [{"status": "ok", "queue_s": 0.01, "prefill_s": 0.02, "exposed_transfer_s": None, "handoff_s": None,
-            "decode_s": 0.2}]
-    b = rates.breakdown(dis)
-    assert b["num_requests"] == 1 and b["dominant"] == "decode" and b["dominant_before_decode"] == "exposed_transfer"
-    assert b["mean_ms"]["exposed_transfer"] == pytest.approx(30.0) and b["mean_ms"]["handoff"] == pytest.approx(20.0)
-    a = rates.against(b, rates.breakdown(col))
-    assert a["grew_most"] == "exposed_transfer" and a["total_extra_ms"] == pytest.approx(50.0)
-    assert rates.against(rates.breakdown([]), b)["grew_most"] is None
-
-
 def test_simulated_rate_curves_share_the_gpus_and_mark_where_each_falls_below():
     from hydra import compose, initialize_config_dir
 
