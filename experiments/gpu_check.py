@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import gpu_stages
+from experiments import gpu_stages, gpu_timing
 
 STAGES = {           # name: timeout (s); the whole check stays within 8 minutes on a GPU
     "environment": 60, "attention": 120, "engine": 120, "roofline": 120, "interference": 90,
@@ -34,7 +34,7 @@ STAGES = {           # name: timeout (s); the whole check stays within 8 minutes
 
 # -- the driver -------------------------------------------------------------------------------------
 def run_stage(name: str, device: str) -> dict:
-    fn = getattr(gpu_stages, name)
+    fn = getattr(gpu_timing if name in ("roofline", "interference") else gpu_stages, name)
     t = time.monotonic()
     try:
         out = fn(device, gpu_stages.shapes(device))

@@ -251,15 +251,15 @@ def test_tables_are_kept_on_disk_by_what_they_depend_on(monkeypatch, tmp_path):
 def test_the_gpu_check_puts_the_database_beside_its_measured_steps(monkeypatch):
     import torch
 
-    from experiments import gpu_stages
+    from experiments import gpu_timing
 
     monkeypatch.setattr(gpu_costs, "measured_tables", lambda *a: build_tables(FakeHandle(), GRID, "fake h200"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
     decode, prefill = {"B32_C1024": {"step_ms": 8.0}}, {"P2048": {"step_ms": 50.0}}
-    assert gpu_stages._beside_database("cuda:0", CFG, 2, decode, prefill) == "fake h200"
+    assert gpu_timing._beside_database("cuda:0", CFG, 2, decode, prefill) == "fake h200"
     want = 4.0 + 0.32 + 1e-5 * 32 * 1024
     assert decode["B32_C1024"]["db_ms"] == pytest.approx(want) and decode["B32_C1024"]["step_over_db"] == pytest.approx(8 / want)
     assert prefill["P2048"]["db_ms"] == pytest.approx(3 + 0.02 * 2048 + 1e-6 * 2048**2, rel=0.01)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA L4")
-    assert gpu_stages._beside_database("cuda:0", CFG, 2, {}, {}) == "none for nvidia l4"
-    assert gpu_stages._beside_database("cpu", CFG, 2, {}, {}) == "none for cpu"
+    assert gpu_timing._beside_database("cuda:0", CFG, 2, {}, {}) == "none for nvidia l4"
+    assert gpu_timing._beside_database("cpu", CFG, 2, {}, {}) == "none for cpu"

@@ -12,9 +12,9 @@ ROOMS = ["workers", "cluster", "router", "experiments", "benchmarks"]     # bott
 # experiments/'s files and folders, bottom to top: what the config is made of, the config, serving
 # real points, the simulator, the report, the commands that run them, the analysis, the lesson, the
 # commands above those, and the results' scripts.
-EXPERIMENTS = ["progress", "hardware", "workload", "config", "compose", "serving", "sim", "report", "run", "server",
-               "analysis", "lesson", "plan", "profile", "validate", "roofline", "gpu_stages", "gpu_check",
-               "docs_config", "cli", "results"]
+EXPERIMENTS = ["progress", "hardware", "workload", "config", "compose", "serving", "sim", "report", "run",
+               "server", "analysis", "lesson", "plan", "profile", "validate", "roofline", "gpu_stages",
+               "gpu_timing", "gpu_check", "docs_config", "cli", "results"]
 
 
 def modules() -> dict[str, ast.Module]:
