@@ -214,10 +214,6 @@ def _knee(c: dict, unit: str) -> str:
     return f"{c['name']} meets it up to {num(c['last_met'])}{unit} and falls below at {num(c['falls_below'])}{unit}"
 
 
-def _listed(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def _over(b: dict) -> str:
     return f"; {CI} intervals over " + ("repeats and requests" if b.get("repeats", 1) > 1 else "requests (one repeat)")
 
@@ -244,7 +240,7 @@ def _breakdown(b: dict | None, where: str) -> str:
         most = f"the part that grew most against colocated is **{PART_NAMES[b['grew_most']]}**"
     else:
         most = ("the part that grew most against colocated cannot be told apart among "
-                f"{_listed([PART_NAMES[p] for p in b['grew_most_among']])} ({CI} intervals of their difference "
+                f"{compare.listed([PART_NAMES[p] for p in b['grew_most_among']])} ({CI} intervals of their difference "
                 "include zero)")
     return (f"{where}: a disaggregated request took {num(d['total_ms'])} ms on average against {num(co['total_ms'])} ms "
             f"colocated ({slower}, means over {d['num_requests']} and "

@@ -61,7 +61,8 @@ def _close(a: Estimate, b: Estimate) -> bool:
 CLOSE = f"medians within {MIN_DIFFERENCE:.0%}"
 
 
-def _names(labels: list[str]) -> str:
+def listed(labels: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
     return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
 
@@ -69,7 +70,7 @@ def verdict(estimates: list[Estimate]) -> str:
     """What the intervals allow one to say about the order of two or more points."""
     known = sorted((e for e in estimates if e.ok), key=lambda e: e.value)
     missing = [e.label for e in estimates if not e.ok]
-    tail = f"; {_names(missing)}: not compared (no value or no interval)" if missing else ""
+    tail = f"; {listed(missing)}: not compared (no value or no interval)" if missing else ""
     if len(known) < 2:
         return "nothing to compare" + tail
     below = {e.label: [f.label for f in known if differs(e, f) == -1] for e in known}
@@ -78,13 +79,13 @@ def verdict(estimates: list[Estimate]) -> str:
     close = any(_close(a, b) for a, b in pairs)
     if not any(below.values()):
         why = f"95% intervals overlap, or {CLOSE}" if close else "95% intervals overlap"
-        return f"no significant difference between {_names([e.label for e in known])} ({why})" + tail
+        return f"no significant difference between {listed([e.label for e in known])} ({why})" + tail
     if not ties:
         order = [e.label for e in known]
         if len(order) == 2:
             return f"{order[0]} is lower than {order[1]} (95% intervals separate)" + tail
         return f"{order[0]} is lowest, then " + ", then ".join(order[1:]) + " (every pair's intervals separate)" + tail
-    clauses = [f"{a} is lower than {_names(bs)}" for a, bs in below.items() if bs]
+    clauses = [f"{a} is lower than {listed(bs)}" for a, bs in below.items() if bs]
     clauses.append("no significant difference between " + ", or between ".join(f"{a} and {b}" for a, b in ties)
                    + (f" (intervals overlap or {CLOSE})" if close else ""))
     return "; ".join(clauses) + tail
@@ -159,7 +160,7 @@ def headline_sentences(named: list[tuple[str, dict]]) -> list[str]:
             out.append(sentence(name, ests, unit))
     once = [label for label, m in named if ((m.get("repeats") or {}).get("num_ok") or 1) < 2]
     if out and once:
-        out.append(f"{_names(once)}: served once; {ONE_REPEAT}.")
+        out.append(f"{listed(once)}: served once; {ONE_REPEAT}.")
     return out
 
 
