@@ -22,8 +22,8 @@ moves every simulated time with it.
 
 The last line is JSON: {"met": n, "total": n, "inside": n, "judged": n, "errors": {...},
 "max_abs_error": x, "real_spread": {...}, "speed_ratio": {"decode": x, "prefill": x}} (judged: values
-with a spread to lie within, i.e. points of two repeats or more), and with --against {"against": {the same counts and errors}}; keys "<metric>"
-for a run of one point, "<point>/<metric>" for several.
+with a spread to lie within, i.e. points of two repeats or more), and with --against {"against": {the
+same counts and errors}}; keys "<metric>" for a run of one point, "<point>/<metric>" for several.
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
               "costs": {"source": costs.source, **costs.detail,
                         "run_other_cores": _machine(p.repeats[0]).get("other_cores")}}
         results.append(r)
-    path = Path(profile or profile_for(_spec(points[0].repeats[0])))
+    path = Path(results[0]["costs"]["path"])                 # the profile that priced the first point
     prof = json.loads(path.read_text())
     by = (f"the calibration from {calibration}" if calibration is not None else
           f"the profile's calibration ({prof.get('refitted') or prof.get('created')})" if calibrated else
@@ -194,15 +194,8 @@ def machine_speed(run_dir: Path, profile: Path, factors: dict, priced_by: str) -
     (`factors`, from `priced_by`; a kind it lacks at 1). A ratio away from 1 says the machine ran at
     another speed than the calibration's, and the simulated times are off by about as much. A
     diagnostic only: nothing of it reaches the simulation."""
-    from experiments.analysis.calibrate import calibrate
-
-    prof = json.loads(Path(profile).read_text())
-    step = prof.get("step_model") or {}
-    if step.get("kind") != "linear":
-        return None
-    model = LinearStepModel(step["coef"], prof["gap"]["gap_coef"], terms=step.get("terms"))
     try:
-        now = calibrate([Path(run_dir)], model)["factors"]
+        now = recalibrate(run_dir, profile, None)["factors"]
     except ValueError:                          # too little of the run to read a factor from
         return None
     kinds = [k for k in ("decode", "prefill") if now.get(k)]
@@ -213,7 +206,8 @@ def machine_speed(run_dir: Path, profile: Path, factors: dict, priced_by: str) -
 
 
 def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
-    """The serving calibration of the profile, redone from the real run at run_dir."""
+    """The serving calibration of the profile (this machine's for `point` when None), redone from the
+    real run at run_dir."""
     from experiments.analysis.calibrate import calibrate
 
     if profile is None:
