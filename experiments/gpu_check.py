@@ -26,15 +26,17 @@ from pathlib import Path
 
 from experiments import gpu_stages, gpu_timing
 
-STAGES = {           # name: timeout (s); the whole check stays within 8 minutes on a GPU
-    "environment": 60, "attention": 120, "engine": 120, "roofline": 120, "interference": 90,
-    "disaggregation": 150, "main_job": 240,
+STAGES = {           # name: (the stage, its timeout in s); the whole check stays within 8 minutes on a GPU
+    "environment": (gpu_stages.environment, 60), "attention": (gpu_stages.attention, 120),
+    "engine": (gpu_stages.engine, 120), "roofline": (gpu_timing.roofline, 120),
+    "interference": (gpu_timing.interference, 90), "disaggregation": (gpu_stages.disaggregation, 150),
+    "main_job": (gpu_stages.main_job, 240),
 }
 
 
 # -- the driver -------------------------------------------------------------------------------------
 def run_stage(name: str, device: str) -> dict:
-    fn = getattr(gpu_timing if name in ("roofline", "interference") else gpu_stages, name)
+    fn = STAGES[name][0]
     t = time.monotonic()
     try:
         out = fn(device, gpu_stages.shapes(device))
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PDLAB_GPU_CHECK_OUT": str(out_dir.resolve())}
     results = {}
     for name in names:
-        limit = STAGES[name] * args.timeout_scale
+        limit = STAGES[name][1] * args.timeout_scale
         cmd = [sys.executable, "-m", "experiments.gpu_check", "--stage", name, "--device", device]
         t = time.monotonic()
         try:
