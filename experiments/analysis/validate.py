@@ -192,7 +192,8 @@ def machine_speed(run_dir: Path, profile: Path, factors: dict, priced_by: str) -
     prefill): the run's own factor (its steps of that kind with no other worker of their host busy,
     measured over the profile's isolated prediction, as calibrate reads it) over the factor in use
     (`factors`, from `priced_by`; a kind it lacks at 1). A ratio away from 1 says the machine ran at
-    another speed than the calibration's, and the simulated times are off by about as much. A
+    another speed than the calibration's, and the simulated times are off with it (queueing ones by
+    more). A
     diagnostic only: nothing of it reaches the simulation."""
     try:
         now = recalibrate(run_dir, profile, None)["factors"]
@@ -314,8 +315,8 @@ def print_table(result: dict) -> None:
                           f"priced at x{sp['priced'][k]:.2f})" for k, r in sp["ratio"].items())
         far = any(abs(r - 1) > TARGETS["p90"] for r in sp["ratio"].values())
         print(f"machine speed against {sp['by']}: {kinds}" + (
-            "; the simulated times are off by about as much: validate --calibration with a run made beside this "
-            "one, or profile again" if far else ""))
+            "; the simulated times are off with it (queueing ones by more): validate --calibration with a run made "
+            "beside this one, or profile again" if far else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
