@@ -140,3 +140,23 @@ def test_engine_run_length_respects_waiting_prompts_and_blocks():
     assert e.run_length() == 80                   # 5 free blocks cover 80 more tokens (one held covers 16)
     e.add(sim_request("b", 4, 2, 0.0))
     assert e.run_length() == 0                    # b could be admitted: schedule for real
+
+
+def test_decode_runs_show_the_router_the_kv_load_scheduled_steps_show():
+    """With several decode workers the router places each handoff by their KV loads while decode runs are in
+    flight. A run's steps count in those loads as they end, as a scheduled step's tokens do, so advancing runs
+    in one event picks the decode workers, and gives the token times, that scheduling every step gives, also
+    when a step's tokens reach the router well after it ends (return_s)."""
+    cfg = dict(roles=["prefill"] + ["decode"] * 3,
+               engines={"prefill": EngineConfig(policy="chunked", token_budget=256),
+                        "decode": EngineConfig(policy="chunked", token_budget=64)},
+               num_blocks={"prefill": 400, "decode": 400}, kv_bytes_per_token=1000, num_layers=4, max_model_len=4096)
+    arrivals = [Arrival(f"r{i}", 0.004 * i, 20 + 37 * (i % 5), 10 + 17 * (i % 7)) for i in range(40)]
+    seen = []
+    for ff in (True, False):
+        sim = Simulator(SimConfig(**cfg, fast_forward=ff), costs(dispatch=0.2, ret=3.0))
+        recs = sim.run(arrivals)
+        assert all(r.status == "ok" for r in recs)
+        seen.append([(r.decode_worker, ms(r.token_times())) for r in recs])
+    assert len({w for w, _ in seen[0]}) == 3, "every decode worker serves"
+    assert seen[0] == seen[1]

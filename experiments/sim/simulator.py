@@ -221,19 +221,21 @@ class Simulator(KVTransfers, WorkerSteps):
         self.push(self.now + self.costs.dispatch_s, self._deliver, p, ("submit", att.preq))
 
     def _refresh_kv(self) -> None:
-        """Count the KV tokens of decode runs in flight, as far as their steps have reached the router.
-        The router's clock only moves forward, so a run's steps seen only grow: each run keeps how many
-        (`run_seen`) and walks on from there, and a load changes only when that count does."""
-        seen = self.now - self.costs.return_s
+        """Count the KV tokens of decode runs in flight, as far as their steps have ended: as a scheduled
+        step's tokens count when it ends (the simplification in the module docstring), so a run advanced in
+        one event puts the loads the router places by where scheduling every step would. The clock only
+        moves forward, so a run's steps counted only grow: each run keeps how many (`run_seen`) and walks
+        on from there, and a load changes only when that count does."""
+        now = self.now
         loads = self.loads
         for w in self.in_run:
             run = w.run
             if run is None:
                 continue
             j, m, ends = w.run_seen, w.run_steps, run.ends
-            if j >= m or ends[j] > seen:
+            if j >= m or ends[j] > now:
                 continue
-            while j < m and ends[j] <= seen:
+            while j < m and ends[j] <= now:
                 j += 1
             loads[w.rank].kv_tokens += w.run_live * (j - w.run_seen)
             w.run_seen = j

@@ -56,8 +56,8 @@ class SimWorker:
     run: DecodeRun | None = None
     run_steps: int = 0                     # steps of the run in flight that go ahead
     run_live: int = 0                      # its requests whose attempts are live (their tokens count)
-    run_seen: int = 0                      # steps of the run in flight whose end the router has seen (their
-                                           # KV tokens, run_seen x its requests, are in the router's load)
+    run_seen: int = 0                      # steps of the run in flight that ended and count in the router's
+                                           # load (their KV tokens, run_seen x its live requests)
     delivered: float = 0.0                 # when the router got this worker's latest step
     ledger: Ledger = field(default_factory=Ledger)   # the records of its decode batch
     log: list = field(default_factory=list)
