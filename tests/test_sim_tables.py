@@ -98,6 +98,11 @@ def test_the_bench_simulates_and_writes_a_run_and_knows_its_targets(tmp_path, ca
     assert {t[0] for t in TARGETS} == {"run-100k-64", "bench-1m-1000", "plan-1000"}
     with pytest.raises(SystemExit, match="choose from"):
         main(["--targets", "nope"])
+    for args, culprit in ((["--requests", "0"], "error: --requests 0"), (["--rate-per-gpu", "-1"], "error: --rate-per-gpu -1"),
+                          (["--write", str(tmp_path / "2p2d" / "rep0" / "requests.jsonl")], "error: --write")):
+        with pytest.raises(SystemExit):                # flags it cannot run with: one line naming the flag
+            main(["--gpus", "2", *args])
+        assert culprit in capsys.readouterr().err
 
 
 def test_a_target_runs_in_an_emptied_directory_so_it_never_resumes_an_earlier_run(tmp_path):

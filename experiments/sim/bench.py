@@ -100,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.targets:
         return targets(args.targets, args.out)
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: need at least one request")
+    if not args.rate_per_gpu > 0:
+        ap.error(f"--rate-per-gpu {args.rate_per_gpu:g}: must be positive")
+    if args.write is not None:
+        try:
+            args.write.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--write {args.write}: {e.strerror or e}")
     p = max(1, args.gpus // 4)
     layouts = args.layouts or ("colocated-chunked" + (f",{p}p{args.gpus - p}d" if args.gpus > 1 else ""))
     try:
