@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every stage's timeout")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)     # run one stage in this process
     args = ap.parse_args(argv)
+    if not args.timeout_scale > 0:
+        ap.error(f"--timeout-scale {args.timeout_scale:g}: must be positive")
     device = args.device
     if device == "auto":
         import torch
@@ -67,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--only: unknown stage(s) {unknown}; choose from {list(STAGES)}")
     out_dir = Path(args.out or f"outputs/gpu_check/{time.strftime('%Y-%m-%d/%H-%M-%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {out_dir}: {e.strerror or e}")
     env = {**os.environ, "PDLAB_GPU_CHECK_OUT": str(out_dir.resolve())}
     results = {}
     for name in names:
