@@ -1,5 +1,6 @@
 """Config traps a new user walks into: explicit cluster settings served as given, bad values rejected in one
 line naming the key, a model too big for the machine refused at once, `--help` describing every key."""
+import re
 import subprocess
 import sys
 
@@ -133,3 +134,25 @@ def test_help_describes_every_key_in_one_line(monkeypatch, capsys):
     missing = [k for k in keys if k not in described or len(described[k].split()) < 3]
     assert not missing, missing
     assert "model: llama-3-70b, llama-3-8b, llama-3.2-1b, smollm2-135m, tiny" in stdout
+
+
+@pytest.mark.parametrize("bad,culprit", [(["gpus=0"], "cluster.gpus=0"),
+                                         (["decision.measured.prompt_lens=[64]"], None),
+                                         (["decision.measured.prompt_lens=[64]", "decision.measured.num_requests=0"],
+                                          "workload.num_requests=0"),
+                                         (["goodput_vs_rate.simulated.slo=nope"], "goodput_vs_rate.simulated.slo='nope'")])
+def test_a_bad_value_for_a_later_section_stops_the_lesson_before_anything_is_measured(bad, culprit, tmp_path):
+    """Sections 4-6 serve and simulate what sections 1-3 took minutes to measure before; their points are
+    composed and validated first, so a bad value ends the lesson at once, naming itself, with nothing written."""
+    from experiments.config import CONF_DIR
+    from experiments.lesson import lesson, points as lesson_points
+    from tests.test_lesson import TINY
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("lesson", overrides=[*TINY, *bad])
+        if culprit is None:                         # a good value passes (a measured cell's points)
+            lesson_points.check_points(cfg)
+            return
+        with pytest.raises((ConfigError, ValueError), match=re.escape(culprit)):
+            lesson.run(cfg, tmp_path)
+    assert list(tmp_path.iterdir()) == []

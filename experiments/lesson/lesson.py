@@ -25,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
 from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
+from experiments.lesson.points import (check_points, chunking_points, decision_points, point_config, served_modes,
+                                       sim_slos, simulated_slo)
 from experiments.compose import exit_on_bad_overrides
 from experiments.config import CONF_DIR, ConfigError
 from experiments.analysis.interference import gap_summary, measure
@@ -38,10 +40,6 @@ from workers.weights import build_model, parse_device, resolve_dtype
 
 log = logging.getLogger("pdlab")
 MODES = {"colocated-prefill_first": "colocated prefill_first", "colocated-chunked": "colocated chunked"}
-
-
-def _disagg(gpus: int) -> str:
-    return f"{gpus // 2}p{gpus - gpus // 2}d"
 
 
 # -- 1. the roofline ----------------------------------------------------------------------------
@@ -150,8 +148,7 @@ def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str,
     files, under runs/<name>/), all of them `cfg.repeats` times round-robin; returns each one's summary."""
     prepared = []
     for name, overrides in named.items():
-        pcfg = compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
-        prepared += prepare(pcfg, runs / name, ",".join(overrides))
+        prepared += prepare(point_config(cfg, overrides), runs / name, ",".join(overrides))
     out = {}
     simulated = {p.spec.backend for p in prepared} == {"sim"}
     if simulated:                           # as experiments.run does: one simulated repeat, no Ray
@@ -162,12 +159,6 @@ def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str,
             raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
         out[name] = summary(result)
     return out
-
-
-def common(cfg: DictConfig) -> list[str]:
-    model = [f"model={cfg.model.name}"] + ([f"model.checkpoint={cfg.model.checkpoint}"] if cfg.model.checkpoint else [])
-    slo = [f"slo.{k}={v}" for k, v in cfg.slo.items()]
-    return [*model, *slo, f"seed={cfg.seed}", f"cluster.gpus={cfg.gpus}", *cfg.get("serve_overrides", [])]
 
 
 def summary(metrics: dict) -> dict:
@@ -182,40 +173,10 @@ def summary(metrics: dict) -> dict:
 
 
 # -- 3. chunked prefill and token latency --------------------------------------------------------
-def served_modes(cfg: DictConfig) -> dict[str, list[str]]:
-    """The measured rate curve's modes: name -> layout overrides."""
-    return {"colocated prefill_first": ["layout=colocated-prefill_first"],
-            f"colocated chunked (chunk {cfg.goodput_vs_rate.measured.chunk})":
-                ["layout=colocated-chunked", f"scheduler.token_budget={cfg.goodput_vs_rate.measured.chunk}"],
-            f"disaggregated {_disagg(cfg.gpus)}": [f"layout={_disagg(cfg.gpus)}"]}
-
-
 def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict]:
-    """(the end-to-end chunking comparison, the measured goodput against rate): served together, round-robin,
-    the chunking workload's rate being one point of each curve (the same runs)."""
+    """(the end-to-end chunking comparison, the measured goodput against rate): served together, round-robin."""
     c, g = cfg.chunking, cfg.goodput_vs_rate.measured
-    lengths = [f"workload.{k}.value={c[k]}" for k in ("prompt_len", "output_len") if c.get(k) is not None]
-    lengths = ["workload.arrival=poisson"] + (lengths + ["workload.length_scale=1.0"] if lengths else [])
-
-    def base(rate):
-        return common(cfg) + [f"workload={c.workload}", f"workload.rate={rate}", f"workload.num_requests={c.num_requests}",
-                              *lengths]
-    named = {f"chunked_{size}": base(c.rate) + ["layout=colocated-chunked", f"scheduler.token_budget={size}"]
-             for size in c.chunk_sizes}
-    named |= {"prefill_first": base(c.rate) + ["layout=colocated-prefill_first"],
-              "disaggregated": base(c.rate) + [f"layout={_disagg(cfg.gpus)}"]}
-    same = {"colocated prefill_first": "prefill_first", f"disaggregated {_disagg(cfg.gpus)}": "disaggregated",
-            f"colocated chunked (chunk {g.chunk})": f"chunked_{g.chunk}"}
-    curve_rates = sorted({float(c.rate), *(float(r) for r in g.rates)})
-    alias = {}
-    for mode, over in served_modes(cfg).items():
-        for r in curve_rates:
-            key = f"{mode}@{r:g}"
-            if r == float(c.rate) and same[mode] in named:
-                alias[key] = same[mode]
-            else:
-                alias[key] = f"rate_{r:g}/{mode.replace(' ', '_').replace('(', '').replace(')', '')}"
-                named[alias[key]] = base(r) + over
+    named, alias, curve_rates = chunking_points(cfg)
     served = serve(cfg, named, runs)
     chunked = [{"chunk": size, **served[f"chunked_{size}"]} for size in c.chunk_sizes]
     refs = {k: served[k] for k in ("prefill_first", "disaggregated")}
@@ -236,14 +197,7 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict
 # -- 4. when to disaggregate ---------------------------------------------------------------------
 def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
     m, e = cfg.decision.measured, cfg.decision.simulated
-    layouts = ["colocated-prefill_first", "colocated-chunked", _disagg(cfg.gpus)]
-    named = {}
-    for lp in m.prompt_lens:
-        for lo in m.output_lens:
-            base = common(cfg) + ["workload=fixed", "workload.arrival=poisson", f"workload.rate={m.rate}",
-                                  f"workload.num_requests={m.num_requests}", "workload.length_scale=1.0",
-                                  f"workload.prompt_len.value={lp}", f"workload.output_len.value={lo}"]
-            named |= {f"p{lp}_o{lo}/{lay}": base + [f"layout={lay}"] for lay in layouts}
+    named, layouts = decision_points(cfg)
     served = serve(cfg, named, runs) if named else {}
     measured = []
     for lp in m.prompt_lens:
@@ -255,7 +209,7 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                                         f"seed={cfg.seed}"])
     started = time.time()
     simulated = decision_sim.simulated_map(
-        base, e.gpus, list(e.prompt_lens), list(e.output_lens), _sim_slos(e, base), e.link_bw,
+        base, e.gpus, list(e.prompt_lens), list(e.output_lens), sim_slos(e, base), e.link_bw,
         list(e.link_bws), e.crossover_output_len, e.crossover_prompt_len, list(e.chunks), e.requests_per_worker,
         e.steps, e.stream)
     cells = [c for s in simulated.values() for c in s["grid"]]
@@ -273,24 +227,13 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
 
 
-def _sim_slos(e: DictConfig, base: DictConfig) -> dict:
-    """decision.simulated's SLOs in ms, a tpot_x_decode priced on the map's hardware (decision_sim.resolve_slos)."""
-    return decision_sim.resolve_slos(base, {k: OmegaConf.to_container(v) for k, v in e.slos.items() if v},
-                                     OmegaConf.to_container(e.decode_ref))
-
-
 def rate_curves_simulated(cfg: DictConfig, out: Path, measured: dict | None) -> dict:
     """Goodput against rate at GPU scale (experiments/lesson/rates.py), on the decision map's GPUs and link."""
     e, g = cfg.decision.simulated, cfg.goodput_vs_rate.simulated
-    base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
-                                        f"seed={cfg.seed}"])
-    slos = _sim_slos(e, base)
-    if g.slo not in slos:
-        raise ValueError(f"goodput_vs_rate.simulated.slo={g.slo!r}: choose one of decision.simulated.slos "
-                         f"({', '.join(slos)})")
+    base, slo = simulated_slo(cfg)
     layouts = [{"layout": lay.layout, "chunk": lay.get("chunk")} for lay in g.layouts]
     started = time.time()
-    sim = rates.simulated_curves(base, e.gpus, g.prompt_len, g.output_len, slos[g.slo], e.link_bw, e.stream, layouts,
+    sim = rates.simulated_curves(base, e.gpus, g.prompt_len, g.output_len, slo, e.link_bw, e.stream, layouts,
                                  list(g.rates_per_gpu), g.requests_per_worker, g.breakdown_rate_per_gpu, cfg.seed)
     sim |= {"slo_name": g.slo, "model": e.model, "hardware": e.hardware, "elapsed_s": time.time() - started}
     colo = next((c for c in sim["curves"] if c["layout"] == "colocated-chunked"), sim["curves"][0])
@@ -327,6 +270,7 @@ def _plain(x):
 def run(cfg: DictConfig, out: Path) -> dict:
     if cfg.quick:
         cfg = OmegaConf.merge(cfg, cfg.quick_overrides)
+    check_points(cfg)
     started = time.time()
     device = parse_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
