@@ -9,7 +9,8 @@ Lengths: a `LengthSpec` draws (fixed `value`; uniform integer in [min, max]; log
 [min, max] scaled alike (at least 1): `length_scale` shrinks the whole distribution, bounds
 included, so a scaled preset keeps its shape. Each request is then fitted to `max_model_len`:
 max_tokens is capped at max_model_len - 1, then the prompt at max_model_len - max_tokens (at least
-one token each). `SeedSequence(seed).spawn` gives independent streams for arrivals, prompt
+one token each); where even the shortest lengths asked for cannot fit, so every request is cut, it
+warns once, naming the keys (`cut_note`). `SeedSequence(seed).spawn` gives independent streams for arrivals, prompt
 lengths, output lengths and token ids: changing the rate changes no length or token.
 
 Traces: `trace` names a JSONL file, one request a line: `arrival_s` (>= 0), `output_len` (>= 1),
@@ -34,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import math
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -44,6 +46,8 @@ import numpy as np
 
 DISTS = ("fixed", "uniform", "lognormal")
 ARRIVALS = ("poisson", "gamma", "fixed")
+log = logging.getLogger(__name__)
+_warned: set[str] = set()             # each cut_note once a process (a planner builds a workload per probe)
 
 
 class WorkloadError(ValueError):
@@ -185,12 +189,38 @@ def _fit(prompt_len: int, output_len: int, max_model_len: int) -> tuple[int, int
     return max(1, min(prompt_len, max_model_len - output_len)), output_len
 
 
+def cut_note(cfg: WorkloadConfig, max_model_len: int) -> str | None:
+    """Why every request of `cfg` is cut to fit `max_model_len`, when even its shortest prompt and output
+    (fixed values, else the bounds' minimums, after length_scale) do not fit together; None otherwise
+    (a distribution whose tail is cut is the fitting the module docstring describes)."""
+    if cfg.trace is not None:
+        return None
+    least = {}
+    for key in ("prompt_len", "output_len"):
+        spec = getattr(cfg, key)
+        field = "value" if spec.dist == "fixed" else "min"
+        least[key] = (f"{key}.{field}={getattr(spec, field)}", int(LengthSpec.sample(
+            dataclasses.replace(spec, dist="fixed", value=getattr(spec, field)), None, 1, cfg.length_scale)[0]))
+    (p_key, p), (o_key, o) = least["prompt_len"], least["output_len"]
+    if p + o <= max_model_len:
+        return None
+    prompt, output = _fit(p, o, max_model_len)
+    scaled = f" (x length_scale {cfg.length_scale:g})" if cfg.length_scale != 1 else ""
+    return (f"{p_key} and {o_key}{scaled} need at least {p + o} tokens a request, more than max_model_len={max_model_len}: "
+            f"every request is cut to fit ({p} + {o} tokens become {prompt} + {output})")
+
+
 def build_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, seed: int,
                    token_ids: bool = True) -> list[WorkloadRequest]:
     """The requests of `cfg`, sorted by arrival; same seed, same list. `token_ids=False` draws the same
-    arrivals and lengths and leaves the prompts' ids out (the token stream is drawn last, per request)."""
+    arrivals and lengths and leaves the prompts' ids out (the token stream is drawn last, per request).
+    Warns (once a process) when every request must be cut to fit max_model_len (`cut_note`)."""
     if vocab_size < 1 or max_model_len < 2:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1 and max_model_len={max_model_len} >= 2")
+    note = cut_note(cfg, max_model_len)
+    if note is not None and note not in _warned:
+        _warned.add(note)
+        log.warning("workload: %s", note)
     arrival_rng, prompt_rng, output_rng, token_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
     if cfg.trace is not None:

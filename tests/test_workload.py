@@ -190,3 +190,25 @@ def test_lengths_are_bounded_by_the_model_s_context_not_a_constant():
     assert [r.num_prompt_tokens for r in reqs] == [8192] * 2
     with pytest.raises(ValueError, match="uniform distribution needs an upper bound"):
         LengthSpec(dist="uniform", min=1)
+
+
+def test_lengths_that_can_never_fit_the_context_warn_once_naming_their_keys(caplog):
+    """Every request of a fixed 5,000 + 96 on a 4,096-token model is cut: said once, with the keys and what
+    the requests become. A distribution whose tail is cut is ordinary fitting and says nothing."""
+    from experiments.workload import cut_note
+
+    cfg = WorkloadConfig(num_requests=3, prompt_len=LengthSpec(value=5000), output_len=LengthSpec(value=96))
+    with caplog.at_level("WARNING", logger="experiments.workload"):
+        for _ in range(2):
+            reqs = build_workload(cfg, vocab_size=100, max_model_len=4096, seed=0, token_ids=False)
+    assert [(r.num_prompt_tokens, r.max_tokens) for r in reqs] == [(4000, 96)] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "workload: prompt_len.value=5000 and output_len.value=96 need at least 5096 tokens a request, more than "
+        "max_model_len=4096: every request is cut to fit (5000 + 96 tokens become 4000 + 96)"]
+    assert cut_note(cfg, 8192) is None
+    assert cut_note(WorkloadConfig(**CHAT), 1024) is None               # only its tail is cut
+    low = WorkloadConfig(prompt_len={"dist": "lognormal", "mean": 3000, "min": 2000, "max": 8000},
+                         output_len={"dist": "uniform", "min": 600, "max": 900}, length_scale=0.5)
+    assert cut_note(low, 1200) == ("prompt_len.min=2000 and output_len.min=600 (x length_scale 0.5) need at least "
+                                   "1300 tokens a request, more than max_model_len=1200: every request is cut to "
+                                   "fit (1000 + 300 tokens become 900 + 300)")
