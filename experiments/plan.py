@@ -34,6 +34,11 @@ def plot(result: dict, path) -> None:
     plt.close(fig)
 
 
+IGNORED = {"layout": "tries every layout", "cluster.mode": "tries every layout",
+           "workload.rate": "searches the rate", "compare": "compares layouts itself",
+           "workload.num_requests": "sizes each simulation by plan.requests_per_worker"}   # what plan() sets itself
+
+
 def summary_lines(result: dict) -> list[str]:
     best, run = result["best"], result["runner_up"]
     lines = [f"best: {best.name}: {best.goodput_per_gpu:.3g} req/s per GPU ({best.rate:.4g} req/s on "
@@ -68,6 +73,10 @@ def main() -> None:
         base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         base.pop("plan")
         base.compare, base.layout = None, None
+        for given in HydraConfig.get().overrides.task:
+            key = given.lstrip("+~").split("=", 1)[0]
+            if key in IGNORED:
+                print(f"note: {given} is ignored: the planner {IGNORED[key]}", file=sys.stderr)
         try:
             result = plan(base, int(cfg.cluster.gpus), chunk_sizes(cfg), p.probe, p.requests_per_worker, p.steps,
                           p.verify_requests_per_gpu, cfg.seed, jobs=p.get("jobs") or len(os.sched_getaffinity(0)))

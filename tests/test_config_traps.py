@@ -156,3 +156,15 @@ def test_a_bad_value_for_a_later_section_stops_the_lesson_before_anything_is_mea
         with pytest.raises((ConfigError, ValueError), match=re.escape(culprit)):
             lesson.run(cfg, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_planner_says_which_given_overrides_it_sets_itself(tmp_path):
+    """`pdlab plan layout=... workload.rate=...` still plans every layout over every rate; it says so
+    rather than let the user believe the layout or rate they gave was used."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.plan", "cluster.gpus=2", "layout=1p1d", "workload.rate=3",
+                           "plan.requests_per_worker=10", "plan.steps=1", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: layout=1p1d is ignored: the planner tries every layout",
+                     "note: workload.rate=3 is ignored: the planner searches the rate"]
