@@ -14,7 +14,6 @@ once (rep0) whatever `repeats` says, so its intervals are within-run ones, over 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import replace
 from pathlib import Path

@@ -13,6 +13,8 @@ from itertools import repeat
 
 
 class CountingBlockManager:
+    __slots__ = ("num_blocks", "block_size", "num_free")
+
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")

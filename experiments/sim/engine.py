@@ -37,6 +37,9 @@ class StepDone:
 
 
 class SimEngine:
+    __slots__ = ("cfg", "model", "blocks", "scheduler", "fast_forward", "num_steps", "batch", "_found", "_chunks",
+                 "_shared", "_spread", "_stream")
+
     def __init__(self, cfg: EngineConfig, num_blocks: int, model, fast_forward: bool = True, stream: int = 0):
         self.cfg = cfg
         self.model = model

@@ -124,6 +124,8 @@ class Ledger:
     token ended the previous run), so a run's gaps are pooled once for all its continuing members.
     `owner` is the record's index, -1 once its attempt is no longer live (its tokens are not recorded)."""
 
+    __slots__ = ("n", "owner", "since", "dead", "behind", "steps", "made", "got", "parts")
+
     def __init__(self):
         self.clear()
 

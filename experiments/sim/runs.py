@@ -79,6 +79,8 @@ class Batch:
     outputs made and asked for. Plain lists: a batch is mostly a few requests, where a numpy call costs
     more than a loop over them. Each change makes new lists (a run in flight holds the ones it began with)."""
 
+    __slots__ = ("n", "computed", "held", "out", "max_tokens", "joined", "min_left")
+
     def __init__(self):
         self.clear()
 
