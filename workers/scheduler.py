@@ -52,6 +52,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    __slots__ = ("cfg", "blocks", "waiting", "running", "_budget", "_scheduled")
+
     def __init__(self, cfg: EngineConfig, blocks: BlockManager):
         self.cfg = cfg
         self.blocks = blocks
