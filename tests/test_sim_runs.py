@@ -160,3 +160,53 @@ def test_decode_runs_show_the_router_the_kv_load_scheduled_steps_show():
         seen.append([(r.decode_worker, ms(r.token_times())) for r in recs])
     assert len({w for w, _ in seen[0]}) == 3, "every decode worker serves"
     assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("layout,overrides,shows", [
+    ("colocated-chunked", ["workload=code"], "served"),
+    ("colocated-prefill_first", ["workload=chat", "scheduler.num_kv_blocks=600"], "served"),
+    ("2p6d", ["workload=chat", "transfer.stream=layer", "fault.kill_worker=decode:1", "fault.kill_after_s=1.0"],
+     "retried"),
+    ("3p5d", ["workload=code", "router.request_timeout_s=1.5", "scheduler.max_batch=8"], "timed out"),
+])
+def test_fast_forwarding_changes_no_record_of_a_cluster_under_load(layout, overrides, shows):
+    """Runs are a speed-up only: on a loaded 8-GPU cluster (several workers a role, so the router's choices
+    read the loads runs leave; a small KV pool, a killed worker, timeouts), every requests.jsonl field is
+    what scheduling every step gives."""
+    import dataclasses
+
+    from experiments.compose import compose_config
+    from experiments.config import apply_layout, parse
+    from experiments.sim.backend import costs_for, simulate
+    from experiments.workload import build_workload
+
+    cfg = compose_config("config", ["compare=null", "cluster.gpus=8", "model=llama-3-8b", "hardware=h200",
+                                    "scheduler.token_budget=512", *overrides])
+    spec = parse(apply_layout(cfg, layout))
+    w = dataclasses.replace(spec.workload, num_requests=1500, rate=8 * 12.0)
+    arrivals = build_workload(w, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=False)
+    costs = costs_for(spec)
+    rows = []
+    for ff in (True, False):
+        sim = simulate(spec, arrivals, costs, record_steps=False, fast_forward=ff)
+        rows.append([request_row(r) for r in sim.records.values()])
+    assert len(rows[0]) == len(rows[1]) == 1500
+    for a, b in zip(*rows):                 # the same fields; times alike but for float rounding
+        assert a.keys() == b.keys()
+        for key in a:
+            assert _close(a[key], b[key]), (a["id"], key, a[key], b[key])
+    assert len({r["decode_worker"] for r in rows[0]}) > 1
+    failed = [r for r in rows[0] if r["status"] != "ok"]
+    retried = [r for r in rows[0] if r["retried_for"]]
+    assert (shows, bool(failed), bool(retried)) in {("served", False, False), ("retried", False, True),
+                                                    ("timed out", True, False)}
+
+
+def _close(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float):
+        return abs(x - y) <= 1e-12 + 1e-9 * abs(x)
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_close(u, v) for u, v in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_close(x[k], y[k]) for k in x)
+    return x == y
