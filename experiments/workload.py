@@ -10,8 +10,8 @@ Lengths: a `LengthSpec` draws (fixed `value`; uniform integer in [min, max]; log
 included, so a scaled preset keeps its shape. Each request is then fitted to `max_model_len`:
 max_tokens is capped at max_model_len - 1, then the prompt at max_model_len - max_tokens (at least
 one token each); where even the shortest lengths asked for cannot fit, so every request is cut, it
-warns once, naming the keys (`cut_note`). `SeedSequence(seed).spawn` gives independent streams for arrivals, prompt
-lengths, output lengths and token ids: changing the rate changes no length or token.
+warns once, naming the keys (`cut_note`). `SeedSequence(seed).spawn` gives independent streams for
+arrivals, prompt lengths, output lengths and token ids: changing the rate changes no length or token.
 
 Traces: `trace` names a JSONL file, one request a line: `arrival_s` (>= 0), `output_len` (>= 1),
 `prompt_len` (>= 1) or `prompt_ids`, optional `id`. Lines are sorted by arrival and replayed as
@@ -101,9 +101,19 @@ class LengthSpec:
             raw = rng.integers(self.min, self.max, size=n, endpoint=True).astype(float)
         else:
             raw = rng.lognormal(math.log(self.mean) - self.sigma ** 2 / 2, self.sigma, size=n)
-        lo = max(1, round(self.min * scale))
-        hi = np.inf if self.max is None else max(lo, round(self.max * scale))
+        lo, hi = self._bounds(scale)
         return np.clip(np.rint(raw * scale), lo, hi).astype(np.int64)
+
+    def shortest(self, scale: float = 1.0) -> tuple[str, int]:
+        """The shortest length `sample` can give, and the key that sets it (`value`, else `min`)."""
+        lo, hi = self._bounds(scale)
+        if self.dist == "fixed":
+            return "value", int(np.clip(np.rint(self.value * scale), lo, hi))
+        return "min", lo
+
+    def _bounds(self, scale: float) -> tuple[int, float]:
+        lo = max(1, round(self.min * scale))
+        return lo, np.inf if self.max is None else max(lo, round(self.max * scale))
 
 
 def _length_spec(key: str, spec) -> LengthSpec:
@@ -195,19 +205,14 @@ def cut_note(cfg: WorkloadConfig, max_model_len: int) -> str | None:
     (a distribution whose tail is cut is the fitting the module docstring describes)."""
     if cfg.trace is not None:
         return None
-    least = {}
-    for key in ("prompt_len", "output_len"):
-        spec = getattr(cfg, key)
-        field = "value" if spec.dist == "fixed" else "min"
-        least[key] = (f"{key}.{field}={getattr(spec, field)}", int(LengthSpec.sample(
-            dataclasses.replace(spec, dist="fixed", value=getattr(spec, field)), None, 1, cfg.length_scale)[0]))
-    (p_key, p), (o_key, o) = least["prompt_len"], least["output_len"]
+    (p_field, p), (o_field, o) = cfg.prompt_len.shortest(cfg.length_scale), cfg.output_len.shortest(cfg.length_scale)
     if p + o <= max_model_len:
         return None
     prompt, output = _fit(p, o, max_model_len)
     scaled = f" (x length_scale {cfg.length_scale:g})" if cfg.length_scale != 1 else ""
-    return (f"{p_key} and {o_key}{scaled} need at least {p + o} tokens a request, more than max_model_len={max_model_len}: "
-            f"every request is cut to fit ({p} + {o} tokens become {prompt} + {output})")
+    return (f"prompt_len.{p_field}={getattr(cfg.prompt_len, p_field)} and output_len.{o_field}="
+            f"{getattr(cfg.output_len, o_field)}{scaled} need at least {p + o} tokens a request, more than "
+            f"max_model_len={max_model_len}: every request is cut to fit ({p} + {o} tokens become {prompt} + {output})")
 
 
 def build_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int, seed: int,
