@@ -151,7 +151,7 @@ def test_a_bad_value_for_a_later_section_stops_the_lesson_before_anything_is_mea
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("lesson", overrides=[*TINY, *bad])
         if culprit is None:                         # a good value passes (a measured cell's points)
-            lesson_points.check_points(cfg)
+            lesson_points.prepare_points(cfg, tmp_path / "runs")
             return
         with pytest.raises((ConfigError, ValueError), match=re.escape(culprit)):
             lesson.run(cfg, tmp_path)

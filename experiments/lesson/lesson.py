@@ -19,14 +19,13 @@ from pathlib import Path
 
 import hydra
 import torch
-from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
 from experiments.lesson import controlled, figures, plots as lesson_plots, rates, text as lesson_text
-from experiments.lesson.points import (check_points, chunking_points, decision_points, point_config, served_modes,
-                                       sim_slos, simulated_slo)
+from experiments.lesson.points import (LessonPoints, chunking_points, decision_points, prepare_points, served_modes,
+                                       sim_slos)
 from experiments.compose import exit_on_bad_overrides
 from experiments.config import CONF_DIR, ConfigError
 from experiments.analysis.interference import gap_summary, measure
@@ -34,7 +33,7 @@ from experiments.analysis.roofline_cli import roofline_plot
 from experiments.serving.machine import snapshot, usage
 from experiments.hardware import HARDWARE, HardwareSpec, dtype_bytes_of, operating_points
 from experiments.serving.compare import Estimate, best
-from experiments.serving.serve import prepare, serve_all
+from experiments.serving.serve import serve_all
 from workers.config import preset
 from workers.weights import build_model, parse_device, resolve_dtype
 
@@ -143,18 +142,15 @@ def controlled_section(cfg: DictConfig, model, device: str, out: Path) -> tuple[
 
 
 # -- serving points through the run machinery ---------------------------------------------------
-def serve(cfg: DictConfig, named: dict[str, list[str]], runs: Path) -> dict[str, dict]:
-    """Serve each named point (its overrides) exactly as `python -m experiments.run` would (same code, same
-    files, under runs/<name>/), all of them `cfg.repeats` times round-robin; returns each one's summary."""
-    prepared = []
-    for name, overrides in named.items():
-        prepared += prepare(point_config(cfg, overrides), runs / name, ",".join(overrides))
+def serve(cfg: DictConfig, names: list[str], prepared: list) -> dict[str, dict]:
+    """Serve the prepared points (points.prepare_points: one per name) exactly as `python -m experiments.run`
+    would (same code, same files), all of them `cfg.repeats` times round-robin; returns each one's summary."""
     out = {}
     simulated = {p.spec.backend for p in prepared} == {"sim"}
     if simulated:                           # as experiments.run does: one simulated repeat, no Ray
         from experiments.sim.backend import simulate_repeat
     results = serve_all(prepared, 1, simulate_repeat) if simulated else serve_all(prepared, cfg.repeats)
-    for name, result in zip(named, results):
+    for name, result in zip(names, results):
         if "error" in result:
             raise RuntimeError(f"{result['point'].get('label', name)}: {result['error']}")
         out[name] = summary(result)
@@ -173,11 +169,11 @@ def summary(metrics: dict) -> dict:
 
 
 # -- 3. chunked prefill and token latency --------------------------------------------------------
-def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict]:
+def chunking_section(cfg: DictConfig, prepared: list, runs: Path, out: Path) -> tuple[dict, dict]:
     """(the end-to-end chunking comparison, the measured goodput against rate): served together, round-robin."""
     c, g = cfg.chunking, cfg.goodput_vs_rate.measured
     named, alias, curve_rates = chunking_points(cfg)
-    served = serve(cfg, named, runs)
+    served = serve(cfg, list(named), prepared)
     chunked = [{"chunk": size, **served[f"chunked_{size}"]} for size in c.chunk_sizes]
     refs = {k: served[k] for k in ("prefill_first", "disaggregated")}
     lesson_plots.chunking_plot(chunked, refs, out / "chunking.png")
@@ -195,18 +191,16 @@ def chunking_section(cfg: DictConfig, runs: Path, out: Path) -> tuple[dict, dict
 
 
 # -- 4. when to disaggregate ---------------------------------------------------------------------
-def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
+def decision_section(cfg: DictConfig, points: LessonPoints, out: Path) -> dict:
     m, e = cfg.decision.measured, cfg.decision.simulated
     named, layouts = decision_points(cfg)
-    served = serve(cfg, named, runs) if named else {}
+    served = serve(cfg, list(named), points.decision) if named else {}
     measured = []
     for lp in m.prompt_lens:
         for lo in m.output_lens:
             modes = {lay: served[f"p{lp}_o{lo}/{lay}"] for lay in layouts}
             measured.append({"prompt_len": lp, "output_len": lo, "modes": modes, "winner": _winner(modes)})
-    mcfg, hw = preset(e.model), HARDWARE[e.hardware]
-    base = compose("config", overrides=["compare=null", "report=false", f"model={e.model}", f"hardware={e.hardware}",
-                                        f"seed={cfg.seed}"])
+    mcfg, hw, base = preset(e.model), HARDWARE[e.hardware], points.base
     started = time.time()
     simulated = decision_sim.simulated_map(
         base, e.gpus, list(e.prompt_lens), list(e.output_lens), sim_slos(e, base), e.link_bw,
@@ -227,10 +221,10 @@ def decision_section(cfg: DictConfig, runs: Path, out: Path) -> dict:
                           "crossover_prompt_len": e.crossover_prompt_len, "by_slo": simulated}}
 
 
-def rate_curves_simulated(cfg: DictConfig, out: Path, measured: dict | None) -> dict:
+def rate_curves_simulated(cfg: DictConfig, points: LessonPoints, out: Path, measured: dict | None) -> dict:
     """Goodput against rate at GPU scale (experiments/lesson/rates.py), on the decision map's GPUs and link."""
     e, g = cfg.decision.simulated, cfg.goodput_vs_rate.simulated
-    base, slo = simulated_slo(cfg)
+    base, slo = points.base, points.slo
     layouts = [{"layout": lay.layout, "chunk": lay.get("chunk")} for lay in g.layouts]
     started = time.time()
     sim = rates.simulated_curves(base, e.gpus, g.prompt_len, g.output_len, slo, e.link_bw, e.stream, layouts,
@@ -270,7 +264,8 @@ def _plain(x):
 def run(cfg: DictConfig, out: Path) -> dict:
     if cfg.quick:
         cfg = OmegaConf.merge(cfg, cfg.quick_overrides)
-    check_points(cfg)
+    runs = out / "runs"
+    points = prepare_points(cfg, runs)
     started = time.time()
     device = parse_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -299,13 +294,13 @@ def run(cfg: DictConfig, out: Path) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    runs = out / "runs"
     with section(4, "chunking", "chunked prefill end to end, and goodput against rate, served here"):
-        results["chunking"], measured = chunking_section(cfg, runs / "chunking", out)
+        results["chunking"], measured = chunking_section(cfg, points.chunking, runs / "chunking", out)
     with section(5, "goodput_vs_rate", "goodput against rate at GPU scale, simulated"):
-        results["goodput_vs_rate"] = {"measured": measured, "simulated": rate_curves_simulated(cfg, out, measured)}
+        results["goodput_vs_rate"] = {"measured": measured,
+                                      "simulated": rate_curves_simulated(cfg, points, out, measured)}
     with section(6, "decision", "the decision map, simulated"):
-        results["decision"] = decision_section(cfg, runs / "decision", out)
+        results["decision"] = decision_section(cfg, points, out)
     print("seconds by section: " + ", ".join(f"{k} {v:g}" for k, v in took.items()))
     results["elapsed_s"] = time.time() - started
     (out / "lesson.json").write_text(json.dumps(_plain(results), indent=2))

@@ -1,16 +1,17 @@
 """What the lesson serves and simulates, as run configs: each served point's overrides (the chunking
 section's, with the measured rate curves' points, and the measured decision cells'), and the simulated
-sections' base config and SLO. `check_points` composes and validates all of them before the lesson
-measures anything, so a bad value ends it at once."""
+sections' base config and SLO. `prepare_points` composes, validates and prepares all of them once,
+before the lesson measures anything, so a bad value ends it at once."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
-from experiments.serving.serve import prepare
+from experiments.serving.serve import Prepared, prepare
 
 
 def disagg(gpus: int) -> str:
@@ -23,13 +24,26 @@ def point_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return compose("config", overrides=["compare=null", "report=false", f"repeats={cfg.repeats}", *overrides])
 
 
-def check_points(cfg: DictConfig) -> None:
-    """Every point the lesson serves, composed and validated as serving it would, and the simulated
-    sections' SLOs resolved, before anything is measured: a bad value (gpus=0, a served override, an SLO
-    name) ends the lesson at once with the error naming it, not after minutes of measurements."""
-    for overrides in (chunking_points(cfg)[0] | decision_points(cfg)[0]).values():
-        prepare(point_config(cfg, overrides), Path("unused"), "")
-    simulated_slo(cfg)
+@dataclass
+class LessonPoints:
+    chunking: list[Prepared]       # the chunking section's served points, with the measured rate curves'
+    decision: list[Prepared]       # the measured decision cells' points
+    base: DictConfig               # the simulated sections' run config
+    slo: dict                      # goodput_vs_rate.simulated's SLO, in ms
+
+
+def prepare_points(cfg: DictConfig, runs: Path) -> LessonPoints:
+    """Every point the lesson serves, composed, validated and its workload built as serving it needs (under
+    runs/<section>/<name>/), and the simulated sections' config and SLO resolved, before anything is
+    measured: a bad value (gpus=0, a served override, an SLO name) ends the lesson at once with the error
+    naming it, not after minutes of measurements."""
+    def each(named: dict[str, list[str]], where: Path) -> list[Prepared]:
+        return [p for name, overrides in named.items()
+                for p in prepare(point_config(cfg, overrides), where / name, ",".join(overrides))]
+
+    base, slo = simulated_slo(cfg)
+    return LessonPoints(each(chunking_points(cfg)[0], runs / "chunking"),
+                        each(decision_points(cfg)[0], runs / "decision"), base, slo)
 
 
 def common(cfg: DictConfig) -> list[str]:
