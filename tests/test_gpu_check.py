@@ -48,7 +48,7 @@ def test_a_stage_that_times_out_is_recorded_and_the_next_still_runs(tmp_path):
 @pytest.mark.parametrize("args,culprit", [(["--timeout-scale", "-1"], "--timeout-scale -1: must be positive"),
                                           (["--timeout-scale", "0"], "--timeout-scale 0: must be positive"),
                                           (["--out", "/dev/null/x"], "--out /dev/null/x")])
-def test_flags_it_cannot_run_with_end_in_one_line_naming_them(args, culprit, capsys):
+def test_flags_it_cannot_run_with_end_in_one_line_naming_them(args, culprit, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:            # before any stage runs
-        gpu_check.main(["--device", "cpu", *args])
+        gpu_check.main(["--device", "cpu", "--out", str(tmp_path), *args])
     assert e.value.code == 2 and culprit in capsys.readouterr().err
