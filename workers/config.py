@@ -162,6 +162,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 POLICIES = ("prefill_first", "chunked")
 ROLES = ("colocated", "prefill", "decode")
 KV_STREAMS = ("off", "layer", "chunk")
+TIMINGS = ("real", "emulated")
 PANEL_ROWS = 256       # CPU kernels: under this many rows a linear always runs on the panel kernel (workers/ops.py)
 
 
@@ -199,12 +200,16 @@ class EngineConfig:
                                      # fewer the panel kernel (None: always it; auto: measured, workers/ops.py)
     cuda_graphs: bool = True         # on a GPU, replay decode-only steps from CUDA graphs (workers/cuda_graphs.py)
     kv_stream: str = "off"           # prefill role: off (export after the first token) | layer | chunk
+    timing: str = "real"             # real: the model computes each step | emulated: each step waits for its
+                                     # price (workers/emulated.py)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy={self.policy!r}: choose one of {list(POLICIES)}")
         if self.kv_stream not in KV_STREAMS:
             raise ValueError(f"kv_stream={self.kv_stream!r}: choose one of {list(KV_STREAMS)}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing={self.timing!r}: choose one of {list(TIMINGS)}")
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r}: choose one of {list(ROLES)}")
         for key in ("token_budget", "max_batch", "block_size", "kv_cache_bytes"):

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from workers.block_manager import BlockManager
-from workers.config import EngineConfig, blocks_for
+from workers.config import EngineConfig, ModelConfig, blocks_for
+from workers.emulated import EmulatedCache, EmulatedRunner, StepPrice
 from workers.events import KVReady, KVReset, RequestFailed, StepRecord, TokenEvent
 from workers.kv_cache import KVCache, num_blocks_for
 from workers.model import Llama
@@ -31,24 +32,49 @@ from workers.scheduler import Scheduler
 
 class Engine:
     def __init__(self, model: Llama, cfg: EngineConfig, clock: Callable[[], float] = time.time):
+        device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+        max_len = self._max_len(model.cfg, cfg)
+        cache = KVCache(model.cfg, num_blocks_for(model.cfg, cfg, dtype, device), cfg.block_size, dtype, device)
+        runner = ModelRunner(model, cache, max_len, max_tokens=cfg.token_budget, max_seqs=cfg.max_batch,
+                             attention=cfg.attention, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+                             kernels=cfg.kernels, cpu_gemm_rows=cfg.cpu_gemm_rows)
         self.model = model
-        self.mcfg = model.cfg
+        self._setup(model.cfg, cfg, clock, device, dtype, cache, runner)
+
+    @classmethod
+    def emulated(cls, mcfg: ModelConfig, cfg: EngineConfig, price: StepPrice, dtype: torch.dtype = torch.bfloat16,
+                 clock: Callable[[], float] = time.time) -> "Engine":
+        """An engine of model `mcfg` whose steps wait for `price` instead of computing (workers/emulated.py):
+        the same scheduler, blocks and post-processing, a pool of `cfg.num_kv_blocks` counted blocks."""
+        if cfg.num_kv_blocks is None:
+            raise ValueError("an emulated engine holds no memory to size its pool by: give num_kv_blocks")
+        self = cls.__new__(cls)
+        self.model = None
+        cls._max_len(mcfg, cfg)
+        self._setup(mcfg, cfg, clock, torch.device("cpu"), dtype,
+                    EmulatedCache(mcfg, cfg.num_kv_blocks, cfg.block_size, dtype), EmulatedRunner(price, mcfg))
+        return self
+
+    @staticmethod
+    def _max_len(mcfg: ModelConfig, cfg: EngineConfig) -> int:
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if max_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        return max_len
+
+    def _setup(self, mcfg, cfg, clock, device, dtype, cache, runner) -> None:
+        self.mcfg = mcfg
         self.cfg = cfg
         self.clock = clock
-        self.device = model.embed_tokens.device
-        self.dtype = model.embed_tokens.dtype
-        self.max_model_len = cfg.max_model_len or self.mcfg.max_position_embeddings
-        if self.max_model_len > self.mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={self.mcfg.max_position_embeddings}")
-        num_blocks = num_blocks_for(self.mcfg, cfg, self.dtype, self.device)
-        self.cache = KVCache(self.mcfg, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = self._max_len(mcfg, cfg)
+        self.cache = cache
+        self.blocks = BlockManager(cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, self.cache, self.max_model_len, max_tokens=cfg.token_budget,
-                                  max_seqs=cfg.max_batch, attention=cfg.attention, compile=cfg.compile,
-                                  cuda_graphs=cfg.cuda_graphs, kernels=cfg.kernels,
-                                  cpu_gemm_rows=cfg.cpu_gemm_rows)
+        self.runner = runner
+        self.emulated = isinstance(runner, EmulatedRunner)
         self.runner.warm_up()        # compiles and CUDA graphs now, before any other thread uses the device
         self.requests: dict[str, Request] = {}     # not yet finished here (handoffs included)
         self.trace: list[StepRecord] = []          # this engine's steps, oldest first (take_trace drains it)
@@ -114,6 +140,9 @@ class Engine:
         (the panel layout of the CPU kernels) and the layer outputs' reused buffers (CPU kernels only,
         grown to the largest step so far); `cpu_gemm_rows`: with the CPU kernels, the rows from which a
         linear runs as MKL's GEMM (None: the panel kernel at every size, or not the CPU kernels)."""
+        if self.emulated:
+            return {"kv_pool_bytes": 0, "kv_pool_huge_pages": False, "num_kv_blocks": self.blocks.num_blocks,
+                    "block_size": self.cfg.block_size, "timing": "emulated", "step_price": self.runner.step_price.name}
         graphs = self.runner.graphs
         return {"kv_pool_bytes": self.cache.nbytes, "kv_pool_huge_pages": self.cache.huge_pages,
                 "num_kv_blocks": self.blocks.num_blocks,
@@ -143,7 +172,8 @@ class Engine:
                 for rid, s, n in streams:
                     self._tell_kv(KVReady(rid, i, i + 1, s, s + n), stream_failed)
         try:
-            tokens = self.runner.execute(sched, after_layer)    # returns once the step's stream is done
+            tokens = (self.runner.execute(sched, after_layer, start, self.clock) if self.emulated   # waits for its price
+                      else self.runner.execute(sched, after_layer))    # returns once the step's stream is done
         except Exception as e:  # the whole pass failed and no row is to blame: its requests end, the engine goes on
             reason = f"the step serving it failed: {type(e).__name__}: {e}"
             return [self.fail(c.request.id, reason) for c in sched.chunks]
@@ -174,7 +204,8 @@ class Engine:
             num_tokens=sched.num_tokens, num_blocks_used=self.blocks.num_used,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preempted=len(sched.preempted), prepare_s=self.runner.times.prepare_s,
-            forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s))
+            forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s,
+            price_s=self.runner.price_s if self.emulated else None))
         self.num_steps += 1
         return events
 

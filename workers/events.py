@@ -20,6 +20,7 @@ class StepRecord:
     prepare_s: float = 0.0     # of the step's time: building its inputs,
     forward_s: float = 0.0     # the model,
     sample_s: float = 0.0      # and choosing the tokens
+    price_s: float | None = None   # emulated engine: what the step was priced at (None: it computed)
 
     @property
     def duration(self) -> float:

@@ -38,6 +38,13 @@ def with_checkpoint(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
+def model_config(spec: ModelSpec) -> ModelConfig:
+    """The shape of a spec's model, without its weights: its checkpoint's config.json, or a preset's."""
+    if spec.checkpoint is not None:
+        return from_hf_config(Path(spec.checkpoint) / "config.json")
+    return preset(spec.model)
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
