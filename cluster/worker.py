@@ -2,8 +2,11 @@
 
 Runs inside a threaded Ray actor (see pool.py); the engine it steps (workers/) knows nothing of Ray or
 the wires. Only the loop thread touches the engine; remote calls put work in an inbox and read events
-from an outbox. `poll` is a long poll: it returns every event since the last poll (whole steps'
-tokens at once), or waits for the next.
+from an outbox. Events reach the router one of two ways: `poll`, a long poll that returns every event
+since the last one (whole steps' tokens at once), or, once the router has called `send_events`, a
+ZeroMQ socket to the router's, onto which a thread pushes every batch of events as it forms (msgpack;
+one Ray call costs about 1.5 ms of CPU on a 2-core machine, one push tens of microseconds, and a
+step's tokens are an event); `poll` then answers empty, as the router's liveness check.
 
 No request takes the worker down: an exception while admitting, stepping, exporting or importing one
 request fails that request (a `failed`, `rejected` or `import_failed` event naming it) and the loop
@@ -37,14 +40,29 @@ from cluster.isolation import pin_process, usable_cores
 from cluster.kv_in import KVIn, RecentIds, reason_of
 from cluster.kv_out import Exported, KVOut
 from cluster.transfer.base import Delivery, TransferConfig, TransferProblem
+from cluster.transfer.link import Link
 from cluster.transfer.wire import Expect
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.events import RequestFailed
 from workers.probe import speed_probe
-from workers.weights import ModelSpec, build_model, parse_device, resolve_dtype
+from workers.weights import ModelSpec, build_model, model_config, parse_device, resolve_dtype
 
 ABORTED_KEPT = 65536     # aborted request ids remembered, newest first: far more than are ever in flight
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """What the workers of an emulated cluster are given (engine.timing=emulated, workers/emulated.py):
+    each role's step price (a workers.emulated.StepPrice) and the KV link (cluster/transfer/link.py)."""
+
+    price: dict
+    link: Link
+
+    def __post_init__(self):
+        missing = [r for r in ("colocated", "prefill", "decode") if r not in self.price]
+        if missing:
+            raise ValueError(f"emulation: no step price for role(s) {missing}")
 
 
 @dataclass
@@ -100,7 +118,8 @@ class Probe:
 
 
 class Worker:
-    def __init__(self, rank: int, spec: ModelSpec, engine_cfg: EngineConfig, torch_threads: int = 0):
+    def __init__(self, rank: int, spec: ModelSpec, engine_cfg: EngineConfig, torch_threads: int = 0,
+                 emulation: Emulation | None = None):
         # The loop thread holds the GIL between torch calls; without this, the sender, receiver and
         # poll threads wait up to Python's default 5 ms for it, which shows up in every handoff.
         sys.setswitchinterval(2e-4)
@@ -109,17 +128,27 @@ class Worker:
         self.rank = rank
         self.role = engine_cfg.role
         self.node_cores = usable_cores()          # before any pinning: the cores of this node we may use
-        device = parse_device(spec.device)
-        dtype = resolve_dtype(spec.dtype, device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        model = build_model(model=spec.model if spec.checkpoint is None else None,
-                            checkpoint=spec.checkpoint, dtype=dtype, device=device, seed=spec.seed)
-        self.engine = Engine(model, engine_cfg)
+        self.link = None
+        if engine_cfg.timing == "emulated":        # no model: steps wait for their price (workers/emulated.py)
+            if emulation is None:
+                raise ValueError("engine.timing=emulated: the worker was given no step price")
+            self.link = emulation.link
+            dtype = torch.bfloat16 if spec.dtype == "auto" else getattr(torch, spec.dtype)
+            self.engine = Engine.emulated(model_config(spec), engine_cfg, emulation.price[engine_cfg.role], dtype)
+        else:
+            device = parse_device(spec.device)
+            dtype = resolve_dtype(spec.dtype, device)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            model = build_model(model=spec.model if spec.checkpoint is None else None,
+                                checkpoint=spec.checkpoint, dtype=dtype, device=device, seed=spec.seed)
+            self.engine = Engine(model, engine_cfg)
         self.transport = None
         self._inbox: queue.Queue = queue.Queue()
         self._events: list[dict] = []     # to_wire(event) of each WorkerEvent
         self._cond = threading.Condition()
+        self._push_to: str | None = None  # the router's event socket, once it asked (send_events)
+        self._pushing = False             # the thread that pushes events there has started
         self._aborted = RecentIds(ABORTED_KEPT)      # late KV of these is dropped on arrival
         self.kv_in = KVIn(self.engine, self._emit)                    # decode role: KV arriving
         self.out = KVOut(self.engine, self._emit, self._inbox.put, lambda: self.transport)   # prefill role
@@ -172,19 +201,22 @@ class Worker:
 
     def zmq_bind(self, cfg: TransferConfig, host: str) -> str:
         from cluster.transfer.zmq_transport import ZmqTransport
-        self.transport = ZmqTransport(cfg, host, device=self.engine.device)
+        self.transport = ZmqTransport(cfg, host, device=self.engine.device, link=self.link)
         return self.transport.bind()
 
     def zmq_connect(self, cfg: TransferConfig, peers: dict[int, str]) -> None:
         from cluster.transfer.zmq_transport import ZmqTransport
         if self.transport is None:
-            self.transport = ZmqTransport(cfg, "127.0.0.1", device=self.engine.device)
+            self.transport = ZmqTransport(cfg, "127.0.0.1", device=self.engine.device, link=self.link)
         self.transport.connect(peers)
 
     def nccl_init(self, cfg: TransferConfig, world_size: int, store_host: str, store_port: int,
                   pairs: list[tuple[int, int]], bind_host: str = "127.0.0.1", members: list[int] | None = None) -> None:
         """Join the torch.distributed group of `members` (worker ranks; None: ranks 0..world_size-1)."""
         from cluster.transfer.nccl_transport import NcclTransport
+        if self.link is not None:
+            raise ValueError("engine.timing=emulated: its KV parts declare their bytes, which only the zmq wire "
+                             "carries (transfer=zmq)")
         self.transport = NcclTransport(cfg, self.rank, world_size, store_host, store_port, pairs,
                                        self.engine.device, bind_host, members)
 
@@ -215,10 +247,57 @@ class Worker:
 
     def poll(self, timeout_s: float = 0.5) -> dict:
         with self._cond:
-            if not self._events:
-                self._cond.wait(timeout_s)
-            events, self._events = self._events, []
-        return {"events": events}
+            if self._push_to is None:
+                if not self._events:
+                    self._cond.wait(timeout_s)
+                events, self._events = self._events, []
+                return {"events": events}
+        time.sleep(timeout_s)                 # the events go to the router's socket: an answer is a heartbeat
+        return {"events": []}
+
+    def send_events(self, address: str | None) -> None:
+        """Push every event from now on (and any not yet taken) to the router's ZeroMQ socket at `address`,
+        a batch per message: [this worker's rank, msgpack list of to_wire dicts]. A later call points the
+        pusher at another router's socket; None (a router closing) keeps them for `poll` again."""
+        with self._cond:
+            self._push_to = address
+            self._cond.notify_all()
+            start = address is not None and not self._pushing
+            self._pushing = self._pushing or start
+        if start:
+            threading.Thread(target=self._push_loop, name=f"events-{self.rank}", daemon=True).start()
+
+    def _push_loop(self) -> None:
+        import msgpack
+        import zmq
+
+        ctx, sock, where = zmq.Context.instance(), None, None
+        rank = str(self.rank).encode()
+        while True:
+            with self._cond:
+                while (not self._events or self._push_to is None) and self._push_to == where:
+                    self._cond.wait(1.0)
+                target = self._push_to
+                events, self._events = (self._events, []) if target is not None else ([], self._events)
+            try:
+                if target != where:
+                    if sock is not None:
+                        sock.close(linger=0)
+                    sock, where = None, target
+                    if target is not None:
+                        sock = ctx.socket(zmq.PUSH)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.connect(target)
+                if events:
+                    sock.send_multipart([rank, msgpack.packb(events, use_bin_type=True)], flags=zmq.NOBLOCK)
+            except zmq.Again:       # the router's end is full or gone: they wait here for it, or for another
+                with self._cond:
+                    self._events[:0] = events
+                time.sleep(0.01)
+            except Exception:   # nothing may stop the events; what this one would have said goes to the log
+                print(f"worker {self.rank}: pushing events to {target}: {traceback.format_exc(limit=4)}",
+                      file=sys.stderr, flush=True)
+                time.sleep(0.05)
 
     def trace(self, drain: bool = False) -> list[dict]:
         """The engine's step records; drain=True also drops them here (a long-running server

@@ -11,7 +11,7 @@ class RouterConfig:
     conditional_threshold: int = 0    # prompts shorter than this skip the prefill pool (0: never)
     max_retries: int = 2              # re-prefills of one request after worker or transfer failures
     request_timeout_s: float = 600.0  # a request unfinished by then ends failed: nothing hangs
-    poll_timeout_s: float = 0.2       # longest a worker's long poll waits when it has nothing to say
+    poll_timeout_s: float = 0.2       # how often a worker is asked whether it lives (events come over ZeroMQ)
     liveness_timeout_s: float = 5.0   # a poll unanswered this long past poll_timeout_s: the worker is frozen
     clock_sync_s: float = 2.0         # re-estimate each worker's clock offset this often (nodes' clocks drift)
     clock_probes: int = 8             # round trips per estimate; the shortest gives the offset (twice at start)

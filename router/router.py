@@ -1,6 +1,8 @@
 """A request's journey: admission, choice of workers, the handoff, the token stream, retries.
 
-One thread per worker long-polls it. Every token carries two times on the router's clock: when it was
+Every worker pushes its events (tokens, steps, transfers, failures) to the router's ZeroMQ socket, which
+one thread reads; one thread per worker long-polls it as a liveness check. Every token carries two
+times on the router's clock: when it was
 made (the end of the worker's step that sampled it, converted from the worker's clock with an offset
 measured by min-RTT probes at start and every router.clock_sync_s, router/clock.py), and when it
 reached the router (what a client of the router sees; tokens of several steps that come back in one
@@ -78,6 +80,7 @@ class Router(RouterThreads, RouterEvents):
         elif faults.kill_worker:
             self._victim = pool.find(faults.kill_worker)
         self._killed: set[int] = set()        # ranks killed by fault injection (their deaths are expected)
+        self.killed_at: float | None = None   # router clock: when fault.kill_worker was killed
         self._tag = uuid.uuid4().hex[:8]      # attempt ids stay unique when routers share a pool
         self._num_attempts = 0
         self._degraded: set[str] = set()      # notes of degraded serving already logged
@@ -86,6 +89,7 @@ class Router(RouterThreads, RouterEvents):
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> "Router":
+        self._open_events()                   # events come over ZeroMQ (router/threads.py); polls check liveness
         for w in self.pool.workers:           # each worker's clock before any token
             self._sync_clock(w, 2 * self.cfg.clock_probes)
         for w in self.pool.workers:
@@ -212,6 +216,7 @@ class Router(RouterThreads, RouterEvents):
         self._stop.set()
         for t in self._threads:
             t.join(timeout=self.cfg.poll_timeout_s + 5)
+        self._close_events()
 
     def on_router_clock(self, worker: WorkerHandle, t: float) -> float:
         """A time read on `worker`'s clock, on the router's."""

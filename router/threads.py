@@ -1,10 +1,15 @@
-"""The router's threads: one long-poll loop per worker, clock probes, the watchdog, fault injection.
+"""The router's threads: the events' reader, one long-poll loop per worker, clock probes, the watchdog,
+fault injection.
 
 A part of router/router.py's Router (a mixin: it uses the router's pool, config, clocks, lock and
-its event, drop, retry and failure handlers). A worker that does not answer its poll within
-poll_timeout_s + router.liveness_timeout_s counts as dead and is killed; a router error on one event
-is logged and does not silence that worker's stream. A worker lost with its node is not held
-against the requests it served (a node takes all its workers at once; that says nothing of them).
+its event, drop, retry and failure handlers). Workers push their events to one ZeroMQ PULL socket of
+the router's (cluster/worker.py's send_events: a Ray call per step cost more CPU than the step itself
+on a small host), bound on the driver's node (loopback for an embedded local cluster), and one thread
+reads them, in each worker's order. The poll loops still ask each worker every poll_timeout_s (it
+then answers empty): a worker that does not answer within poll_timeout_s + router.liveness_timeout_s
+counts as dead and is killed; a router error on one event is logged and does not silence that
+worker's stream. A worker lost with its node is not held against the requests it served (a node
+takes all its workers at once; that says nothing of them).
 """
 from __future__ import annotations
 
@@ -36,6 +41,83 @@ def went_with_its_node(w: WorkerHandle, e: BaseException) -> bool:
 
 
 class RouterThreads:
+    def _open_events(self) -> None:
+        """Bind the events' socket, start its reader, and point every worker at it."""
+        import zmq
+
+        host = "127.0.0.1" if self.pool.cfg.address is None else ray.util.get_node_ip_address()
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind_to_random_port(f"tcp://{host}")
+        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._spawn(self._event_loop, sock, name="router-events")
+        calls = {w: w.actor.send_events.remote(address) for w in self.pool.workers if w.alive}
+        for w, ref in calls.items():
+            try:
+                ray.get(ref, timeout=self.cfg.liveness_timeout_s)
+            except ray.exceptions.RayError as e:     # its poll loop finds out what became of it
+                log.warning("%s did not take the events' address: %s", w.name, type(e).__name__)
+
+    def _close_events(self) -> None:
+        """Tell the live workers to keep their events for a poll again (or for the next router)."""
+        calls = [w.actor.send_events.remote(None) for w in self.pool.workers if w.alive]
+        try:
+            ray.get(calls, timeout=self.cfg.liveness_timeout_s)
+        except ray.exceptions.RayError:      # a worker gone meanwhile: nothing to tell it
+            pass
+
+    def _event_loop(self, sock) -> None:
+        """Read every message waiting, then handle them together, stamped with one arrival time: what
+        came in while the router was busy reaches it at once (as one poll reply would carry it)."""
+        import zmq
+
+        by_rank = {str(w.rank).encode(): w for w in self.pool.workers}
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                batch = []
+                while True:
+                    try:
+                        batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                now = self.clock()
+                with self._lock:
+                    for frames in batch:
+                        self._on_message(by_rank, frames, now)
+        finally:
+            sock.close(linger=0)
+
+    def _on_message(self, by_rank: dict, frames: list, now: float) -> None:
+        import msgpack
+
+        w = by_rank.get(frames[0]) if len(frames) == 2 else None
+        try:
+            events = msgpack.unpackb(frames[1], raw=False) if w is not None else None
+        except Exception as e:
+            events = None
+            log.error("unreadable events from %s: %s", w.name, e)
+        if not isinstance(events, list):
+            log.error("an events message of %d frames from %r dropped", len(frames), frames[0][:16])
+            return
+        self._on_events(w, events, now)
+
+    def _on_events(self, w: WorkerHandle, events: list, now: float) -> None:
+        """A worker's events, in its order, under the router's lock (a re-entrant Condition)."""
+        with self._lock:
+            for ev in events:
+                try:
+                    self._on_event(w, ev, now)
+                except BadEvent as e:   # a worker of another version, or a bug on its side
+                    log.error("bad event from %s: %s", w.name, e)
+                except Exception:   # a router bug must not silence this worker's stream
+                    log.exception("router error on %s event from %s", ev.get("kind") if isinstance(ev, dict)
+                                  else type(ev).__name__, w.name)
+
     def _spawn(self, target, *args, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
@@ -58,16 +140,8 @@ class RouterThreads:
                     self._on_dead(w, f"worker {w.name} died ({type(e).__name__}"
                                      + (": its node was lost)" if node_lost else ")"), node_lost=node_lost)
                 return
-            now = self.clock()
-            if reply["events"]:
-                with self._lock:
-                    for ev in reply["events"]:
-                        try:
-                            self._on_event(w, ev, now)
-                        except BadEvent as e:   # a worker of another version, or a bug on its side
-                            log.error("bad event from %s: %s", w.name, e)
-                        except Exception:   # a router bug must not silence this worker's stream
-                            log.exception("router error on %s event from %s", ev.get("kind"), w.name)
+            if reply["events"]:          # a worker that still answers polls with its events
+                self._on_events(w, reply["events"], self.clock())
 
     def _sync_clock(self, w: WorkerHandle, probes: int) -> None:
         """One round of clock probes of `w`; its best goes to the worker's WorkerClock. A worker that
@@ -114,4 +188,5 @@ class RouterThreads:
         log.warning("fault injection: killing %s", self._victim.name)
         with self._lock:
             self._killed.add(self._victim.rank)
+            self.killed_at = self.clock()
         self.pool.kill(self._victim)
