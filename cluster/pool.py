@@ -30,7 +30,7 @@ from cluster.isolation import (DRIVER_WARNING, SHARED_WARNING, assign_cores, bun
 from cluster.ray_cluster import ClusterError, check_resources
 from cluster.transfer.base import TransferConfig
 from workers.config import EngineConfig
-from cluster.worker import Worker
+from cluster.worker import Emulation, Worker
 from cluster.pool_losses import PoolLosses
 from cluster.wiring import wire
 from workers.weights import ModelSpec
@@ -59,9 +59,11 @@ class WorkerHandle:
 
 class WorkerPool(PoolLosses):
     def __init__(self, cfg: ClusterConfig, spec: ModelSpec, engine_cfg: EngineConfig | dict[str, EngineConfig],
-                 transfer: TransferConfig):
-        """`engine_cfg`: one EngineConfig for every role, or one per role ("colocated", "prefill", "decode")."""
+                 transfer: TransferConfig, emulation: Emulation | None = None):
+        """`engine_cfg`: one EngineConfig for every role, or one per role ("colocated", "prefill", "decode");
+        `emulation`: the step prices and KV link of engines with timing=emulated (cluster/worker.py)."""
         self.cfg = cfg
+        self.emulation = emulation
         self.spec = spec
         self.engine_cfg = engine_cfg
         self.transfer = transfer
@@ -86,7 +88,9 @@ class WorkerPool(PoolLosses):
     def _start(self) -> "WorkerPool":
         roles = self.cfg.roles
         driver_node = ray.get_runtime_context().get_node_id()
-        cpus = bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node, self.cfg.gpus_per_worker)
+        emulated = self.emulation is not None       # its workers wait, they do not compute: no cores of their own
+        cpus = 0.0 if emulated else bundle_cpus(self.cfg.cpus_per_worker, _nodes(), len(roles), driver_node,
+                                                self.cfg.gpus_per_worker)
         check_resources(self.cfg, cpus)
         order = bundle_order(roles)
         gpus = self.cfg.gpus_per_worker
@@ -98,7 +102,8 @@ class WorkerPool(PoolLosses):
             raise ClusterError(f"cluster.placement={self.cfg.placement} cannot place {len(roles)} bundles of "
                                f"{bundle} within {self.cfg.startup_timeout_s:g} s; cluster resources: "
                                f"{_resources()}")
-        threads = self.cfg.torch_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // len(roles))
+        threads = 1 if emulated else (self.cfg.torch_threads
+                                      or max(1, int(ray.cluster_resources().get("CPU", 1)) // len(roles)))
         nodes = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
         bundles = assign_bundles(roles, [nodes[b] for b in range(len(roles))], self.cfg.placement)
         remote = ray.remote(Worker)
@@ -110,12 +115,16 @@ class WorkerPool(PoolLosses):
             actor = remote.options(
                 num_gpus=gpus, num_cpus=cpus, max_concurrency=16, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundles[rank]),
-            ).remote(rank, self.spec, self._engine(role), threads)
+            ).remote(rank, self.spec, self._engine(role), threads, self.emulation)
             self.workers.append(WorkerHandle(rank, role, index, actor))
         self.workers.sort(key=lambda w: w.rank)
         for w, info in self.gather({w: w.actor.info.remote() for w in self.workers}, "actor start").items():
             w.info = info
-        self._isolate(cpus, driver_node)
+        if emulated:
+            self.isolation = {"dedicated": False, "workers": len(self.workers), "emulated": True,
+                              "reason": "emulated workers wait for their steps' prices: none is pinned to cores"}
+        else:
+            self._isolate(cpus, driver_node)
         if self.cfg.mode == "disaggregated":
             self._wire()
         if self.cfg.speed_probe:

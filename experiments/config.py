@@ -80,11 +80,14 @@ class EngineOptions:
     kernels: str = "auto"        # auto | torch | cpu: the rest of a layer's math (workers/ops.py)
     cpu_gemm_rows: int | str | None = "auto"   # CPU kernels: MKL's GEMM from this many rows (null: never;
                                                # auto: measured, workers/ops.py)
+    timing: str = "real"         # real: compute every step | emulated: wait for its price (workers/emulated.py)
 
     def __post_init__(self):
         from workers.attention import BACKENDS
-        from workers.config import check_gemm_rows
+        from workers.config import TIMINGS, check_gemm_rows
         from workers.ops import KERNELS
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing={self.timing!r}: choose one of {list(TIMINGS)}")
         if self.attention not in ("auto", *BACKENDS):
             raise ValueError(f"attention={self.attention!r}: choose auto or one of {sorted(BACKENDS)}")
         if self.kernels not in KERNELS:
@@ -306,8 +309,18 @@ def every_layout(gpus) -> str:
     return ",".join(list(COLOCATED_LAYOUTS) + [f"{p}p{n - p}d" for p in range(1, n)])
 
 
+def even_split(gpus) -> str:
+    """The disaggregated layout of `gpus` GPUs that the default comparison serves: half of them (rounded
+    down) prefill, the rest decode (1p1d on 2 GPUs, 4p4d on 8); conf/config.yaml resolves it through
+    `pdlab.split`, so the comparison follows cluster.gpus."""
+    n = int(gpus)
+    return f"{n // 2}p{n - n // 2}d"
+
+
 if not OmegaConf.has_resolver("pdlab.layouts"):
     OmegaConf.register_new_resolver("pdlab.layouts", every_layout)
+if not OmegaConf.has_resolver("pdlab.split"):
+    OmegaConf.register_new_resolver("pdlab.split", even_split)
 
 
 def apply_layout(cfg: DictConfig, layout: str) -> DictConfig:

@@ -32,11 +32,15 @@ log = logging.getLogger("pdlab")
 
 def run_points(cfg: DictConfig, run_dir: Path, overrides: str) -> list[dict]:
     """Validate every point (and build its workload) before any worker starts, then serve them all;
-    with backend=sim, simulate them (experiments/sim/backend.py; once each: a simulation is deterministic)."""
+    with backend=sim, simulate them (experiments/sim/backend.py; once each: a simulation is deterministic);
+    with engine.timing=emulated, serve them on engines that wait for each step's price (experiments/sim/emulated.py)."""
     prepared = prepare(cfg, run_dir, overrides)
     if cfg.get("backend", "real") == "sim":
         from experiments.sim.backend import simulate_repeat
         return serve_all(prepared, 1, simulate_repeat)
+    if any(p.spec.engine.timing == "emulated" for p in prepared):
+        from experiments.sim.emulated import prepare_emulation      # its workers priced as the simulator prices
+        prepared = prepare_emulation(prepared)
     return serve_all(prepared, repeats(cfg))
 
 

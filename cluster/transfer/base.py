@@ -63,6 +63,8 @@ class TransferConfig:
     stream: str = "off"                 # off: KV after the prefill | layer: each layer as computed |
                                         # chunk: each prompt chunk's KV once its step is done
     stream_layers: int = 1              # layer: layers per streamed part (group small layers)
+    link_bandwidth: float | None = None  # emulated cluster: the KV link's bytes/s (None: the cost source's link)
+    link_latency_s: float | None = None  # ... and its latency per transfer (None: the cost source's)
     socket_ifname: str | None = None    # nccl: the network interface for gloo/NCCL sockets; None = the one
                                         # whose network holds the node's address (cluster/transfer/netif.py)
 
@@ -78,6 +80,10 @@ class TransferConfig:
                              "or null to find it by the node's address")
         if self.stream not in STREAMS:
             raise ValueError(f"transfer.stream={self.stream!r}: choose one of {list(STREAMS)}")
+        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
+            raise ValueError(f"transfer.link_bandwidth={self.link_bandwidth} must be positive bytes/s (or null)")
+        if self.link_latency_s is not None and not self.link_latency_s >= 0:
+            raise ValueError(f"transfer.link_latency_s={self.link_latency_s} must be >= 0 seconds (or null)")
         for key in ("timeout_s", "chunk_bytes", "max_frame_bytes", "max_pending_bytes", "max_pending",
                     "stream_layers"):
             if getattr(self, key) <= 0:
@@ -268,19 +274,26 @@ class Inbound:
         """A message for a transfer already dropped and reported: to be skipped without a word."""
         return rid in self._dropped
 
-    def part(self, meta: PartMeta, max_frame_bytes: int) -> tuple[KVHandoff, int]:
-        """Check a part before its bytes are received: -> (its transfer's header, its size)."""
+    def part(self, meta: PartMeta, max_frame_bytes: int | None) -> tuple[KVHandoff, int]:
+        """Check a part before its bytes are received: -> (its transfer's header, its size).
+        `max_frame_bytes` None: a declared part (an emulated link), which holds no memory."""
         with self._lock:
             o = self.open.get(meta.request_id)
             if o is None:
                 raise WireError("part for a request with no transfer under way", meta.request_id)
             meta.check(o.handoff)
             size = meta.nbytes(o.handoff)
-            if size > max_frame_bytes:
+            if max_frame_bytes is not None and size > max_frame_bytes:
                 raise WireError(f"part of {size} bytes exceeds the frame limit {max_frame_bytes}", meta.request_id)
             if o.received + size > o.handoff.nbytes:
                 raise WireError(f"parts of more than the {o.handoff.nbytes} bytes announced", meta.request_id)
             return o.handoff, size
+
+    def received_so_far(self, rid: str) -> int:
+        """Bytes of a transfer's parts in so far (0 for one not under way)."""
+        with self._lock:
+            o = self.open.get(rid)
+            return o.received if o is not None else 0
 
     def received(self, rid: str, nbytes: int) -> None:
         """A part's bytes are in. Its transfer may have been dropped (silent too long) while they

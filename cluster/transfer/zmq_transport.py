@@ -36,10 +36,12 @@ import torch
 import zmq
 
 from cluster.transfer import staging
+from cluster.transfer.link import Link, LinkClock
 from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, TransferProblem, TransferRefused,
                                    TransferTimeout, frames, hand_over, safe_report)
 from cluster.transfer.wire import (WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError,
                                    decode_cancel, decode_end, decode_header, decode_part, peek_request_id)
+from workers.emulated import sleep_until
 
 SWEEP_S = 0.1        # how often transfers are checked against timeout_s
 FRAMES = {b"B": 2, b"P": 3, b"E": 2, b"X": 2}     # each message kind's frames, its tag included
@@ -66,10 +68,15 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
 class ZmqChannel:
     """One sender's socket to one receiver. `end` returns once libzmq has taken every frame of the
     transfer (small frames are batched, so "taken" can precede "written"): keep the channel open
-    while the peer reads, as a worker's sender thread does for its whole life."""
+    while the peer reads, as a worker's sender thread does for its whole life. With a `link` (an
+    emulated cluster, link.py) a part is one message declaring its bytes, sent once the sender's
+    `egress` has carried them."""
 
-    def __init__(self, ctx: zmq.Context, address: str, cfg: TransferConfig):
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransferConfig, link: Link | None = None,
+                 egress: LinkClock | None = None):
         self.cfg = cfg
+        self.link, self.egress = link, egress
+        self._declared: set[str] = set()          # emulated: transfers that have sent a part
         self.frame_bytes = min(cfg.chunk_bytes, cfg.max_frame_bytes)
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -82,6 +89,8 @@ class ZmqChannel:
         self._inflight[handoff.request_id] = []
 
     def part(self, request_id: str, first_layer: int, start: int, kv: torch.Tensor) -> None:
+        if self.link is not None:
+            return self._declared_part(request_id, first_layer, start, kv)
         kv = kv.cpu().contiguous() if kv.device.type != "cpu" else kv.contiguous()
         kept = self._inflight.setdefault(request_id, [])
         for l0, t0, frame in frames(kv, first_layer, start, self.frame_bytes):
@@ -90,7 +99,17 @@ class ZmqChannel:
             self.sock.send_multipart([b"P", meta.encode()], flags=zmq.SNDMORE)
             kept.append((self.sock.send(_as_bytes_view(frame), copy=False, track=True), frame))
 
+    def _declared_part(self, request_id: str, first_layer: int, start: int, kv: torch.Tensor) -> None:
+        """An emulated part: its rectangle (which declares its bytes) and an empty payload, once the
+        egress has carried those bytes."""
+        first = request_id not in self._declared
+        self._declared.add(request_id)
+        sleep_until(self.egress.egress(self.link.seconds(kv.numel() * kv.element_size(), first)), time.time)
+        meta = PartMeta(request_id, first_layer, first_layer + kv.shape[0], start, start + kv.shape[2])
+        self.sock.send_multipart([b"P", meta.encode(), b""])
+
     def end(self, request_id: str, first_token: int, first_token_time: float) -> None:
+        self._declared.discard(request_id)
         self.sock.send_multipart([b"E", EndMeta(request_id, first_token, first_token_time).encode()])
         deadline = time.monotonic() + self.cfg.timeout_s
         for tracker, _ in self._inflight.pop(request_id, []):   # libzmq holds our memory until sent
@@ -99,6 +118,7 @@ class ZmqChannel:
                 raise TransferTimeout(f"zmq send of {request_id} not done in {self.cfg.timeout_s} s")
 
     def cancel(self, request_id: str, reason: str) -> None:
+        self._declared.discard(request_id)
         self.sock.send_multipart([b"X", CancelMeta(request_id, reason).encode()])
         self._inflight.pop(request_id, None)
 
@@ -118,8 +138,10 @@ class ZmqTransport:
     name = "zmq"
 
     def __init__(self, cfg: TransferConfig, host: str, peers: dict[int, str] | None = None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), link: Link | None = None):
         self.cfg = cfg
+        self.link = link                   # an emulated cluster's: parts declare their bytes (link.py)
+        self.egress, self.ingress = LinkClock(), LinkClock()
         self.host = host
         self.device = device               # where received parts go: a GPU's copied off the loop thread
         self.peers = dict(peers or {})     # rank -> address of its receiving socket
@@ -151,7 +173,7 @@ class ZmqTransport:
     def channel(self, dst: int) -> ZmqChannel:
         if dst not in self.peers:
             raise KeyError(f"no zmq address for worker rank {dst}")
-        return ZmqChannel(self.ctx, self.peers[dst], self.cfg)
+        return ZmqChannel(self.ctx, self.peers[dst], self.cfg, self.link, self.egress)
 
     def start_receiving(self, expect: Expect, deliver, report) -> None:
         if self._pull is None:
@@ -231,6 +253,8 @@ class ZmqTransport:
         named[0] = meta.request_id
         if self.inbound.quiet(meta.request_id):        # its transfer's failure was reported once already
             return None
+        if self.link is not None:
+            return self._declared_part(meta, frames_[2])
         handoff, size = self.inbound.part(meta, expect.max_frame_bytes)
         frame = frames_[2]
         if len(frame) != size:
@@ -247,6 +271,20 @@ class ZmqTransport:
         except BaseException:
             release()
             raise
+
+    def _declared_part(self, meta: PartMeta, frame) -> Part:
+        """An emulated part, delivered once the ingress has carried its declared bytes (link.py): a
+        `meta` tensor of its shape, which holds no memory."""
+        handoff, size = self.inbound.part(meta, None)
+        if len(frame):
+            raise WireError(f"part of {len(frame)} bytes on an emulated link, whose parts declare their bytes "
+                            "and carry none", meta.request_id)
+        first = self.inbound.received_so_far(meta.request_id) == 0
+        self.inbound.received(meta.request_id, size)
+        shape = (meta.end_layer - meta.first_layer, 2, meta.end - meta.start, *handoff.shape[3:])
+        kv = torch.empty(shape, dtype=WIRE_DTYPES[handoff.dtype], device="meta")
+        sleep_until(self.ingress.ingress(time.time(), self.link.seconds(size, first)), time.time)
+        return Part(meta.request_id, meta.first_layer, meta.start, kv)
 
     def close(self) -> None:
         self._stop.set()

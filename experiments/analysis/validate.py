@@ -28,6 +28,7 @@ same counts and errors}}; keys "<metric>" for a run of one point, "<point>/<metr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,12 +43,16 @@ from experiments.serving.metrics import summarize
 from experiments.serving.profiles import profile_for
 from experiments.sim.backend import outputs, simulate
 from experiments.sim.costs import from_profile
+from experiments.sim.emulated import sim_costs
 from experiments.sim.simulator import Arrival
 from experiments.sim.stepmodel import LinearStepModel, describe_factors
 from workers.config import gemm_route
 
 METRICS = [(f"{m}_{s}", m, s) for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p90", "p99")]
 TARGETS = {"mean": 0.05, "p50": 0.05, "p90": 0.10, "p99": 0.10, "goodput": 0.05}
+# An emulated run (engine.timing=emulated): the simulator and the cluster price every step alike, so what
+# is left to differ is the system (docs/emulation.md), and the targets are tight.
+EMULATED_TARGETS = {"mean": 0.02, "p50": 0.02, "p90": 0.05, "p99": 0.05, "goodput": 0.02}
 TARGETS_KEYS = [name for name, _, _ in METRICS] + ["goodput"]
 
 
@@ -76,8 +81,12 @@ def _machine(rep_dir: Path) -> dict:
 
 
 def replay(rep_dir: Path, costs) -> dict:
-    """The simulated values of one repeat: its requests through the simulator at `costs`."""
+    """The simulated values of one repeat: its requests through the simulator at `costs`, and its injected
+    kill when the run recorded it (metrics.json's fault_times: a fact of the run, like its arrivals)."""
     spec = _spec(rep_dir)
+    kill = (_metrics(rep_dir).get("fault_times") or {}).get("kill_s")
+    if kill is not None and spec.fault.kill_worker:
+        spec = dataclasses.replace(spec, fault=dataclasses.replace(spec.fault, kill_after_s=max(0.0, kill)))
     rows = read_jsonl(rep_dir / "requests.jsonl")
     arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in rows),
                       key=lambda a: a.arrival_s)
@@ -126,7 +135,7 @@ def linear_routes(rep_dirs: list[Path], profile: Path) -> dict:
     return {"run": sorted(run), "profile": _route(profiled)}
 
 
-def judge(real: dict, real_range: dict, repeats: int, values: dict) -> dict:
+def judge(real: dict, real_range: dict, repeats: int, values: dict, targets: dict | None = None) -> dict:
     """Per value of TARGETS_KEYS: {"value", "error", "met", "inside"} of `values` (simulated, or another
     run's) against a point's real median and range; error and met None where either side lacks the
     value, inside None also with one real repeat (no spread to lie within)."""
@@ -135,19 +144,32 @@ def judge(real: dict, real_range: dict, repeats: int, values: dict) -> dict:
         r, v, rng = real.get(k), values.get(k), real_range.get(k)
         err = (v - r) / r if r and v is not None else None
         inside = None if rng is None or v is None or repeats < 2 else rng[0] <= v <= rng[1]
-        out[k] = {"value": v, "error": err, "met": None if err is None else abs(err) <= target(k), "inside": inside}
+        out[k] = {"value": v, "error": err, "met": None if err is None else abs(err) <= target(k, targets),
+                  "inside": inside}
     return out
 
 
-def point_result(name: str, label, real_reps: list[dict], sim_reps: list[dict], other_reps: list[dict] | None) -> dict:
+def point_result(name: str, label, real_reps: list[dict], sim_reps: list[dict], other_reps: list[dict] | None,
+                 targets: dict | None = None) -> dict:
     """One point: the real median and range over its repeats, the simulated (and other run's) median
-    over the same repeats, each judged."""
+    over the same repeats, each judged against `targets` (default TARGETS). With the other run, a
+    simulated value is also judged against the larger of its target and the other run's |error|
+    (`within_rerun`): where a second run of the same requests differs by more than the target, the
+    simulator is held to that difference instead."""
+    targets = targets or TARGETS
     real = {k: _median([r[k] for r in real_reps]) for k in TARGETS_KEYS}
     spread = {k: _range([r[k] for r in real_reps]) for k in TARGETS_KEYS}
-    out = {"point": name, "label": label, "repeats": len(real_reps), "real": real, "real_range": spread}
+    out = {"point": name, "label": label, "repeats": len(real_reps), "real": real, "real_range": spread,
+           "targets": targets}
     for key, reps in (("sim", sim_reps), ("other", other_reps)):
         if reps is not None:
-            out[key] = judge(real, spread, len(real_reps), {k: _median([r[k] for r in reps]) for k in TARGETS_KEYS})
+            out[key] = judge(real, spread, len(real_reps), {k: _median([r[k] for r in reps]) for k in TARGETS_KEYS},
+                             targets)
+    if other_reps is not None:
+        for k, j in out["sim"].items():
+            o = out["other"][k]["error"]
+            floor = max(target(k, targets), abs(o)) if o is not None else target(k, targets)
+            j["within_rerun"] = None if j["error"] is None else abs(j["error"]) <= floor
     return out
 
 
@@ -157,28 +179,40 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
     if not points:
         raise ValueError(f"no completed point under {run_dir}")
     serving = None
-    if calibration is not None:
-        if Path(calibration).resolve() == Path(run_dir).resolve():
-            raise ValueError("--calibration must be another run than the one validated")
+    if calibration is not None and Path(calibration).resolve() == Path(run_dir).resolve():
+        raise ValueError("--calibration must be another run than the one validated")
+    if calibration is not None and not any(_spec(p.repeats[0]).engine.timing == "emulated" for p in points):
         serving = recalibrate(calibration, profile, points[0])
     if against is not None and Path(against).resolve() == Path(run_dir).resolve():
         raise ValueError("--against must be another run than the one validated")
-    results, costs_of = [], {}
+    results, costs_of, system = [], {}, None
     for p in points:
         spec = _spec(p.repeats[0])
+        other = against_real(p, against) if against is not None else None
+        name = p.info.get("layout") or p.info.get("label") or p.rel
+        if spec.engine.timing == "emulated":
+            system = system or emulation_system(calibration, run_dir)
+            costs = sim_costs(spec, system)
+            r = point_result(name, p.info.get("label"), [real_values(d) for d in p.repeats],
+                             [replay(d, costs) for d in p.repeats], other, EMULATED_TARGETS)
+            r |= {"machine": p.metrics.get("machine") or {}, "emulated": emulator_error(p.repeats),
+                  "costs": {"source": costs.source, "system": system}}
+            results.append(r)
+            continue
         path = Path(profile or profile_for(spec))
         key = (path, spec.transfer.backend)
         if key not in costs_of:
             costs_of[key] = from_profile(path, spec.transfer.backend, calibrated, serving, tuple(without))
         costs = costs_of[key]
-        other = against_real(p, against) if against is not None else None
-        r = point_result(p.info.get("layout") or p.info.get("label") or p.rel, p.info.get("label"),
+        r = point_result(name, p.info.get("label"),
                          [real_values(d) for d in p.repeats], [replay(d, costs) for d in p.repeats], other)
         r |= {"machine": p.metrics.get("machine") or {}, "linears": linear_routes(p.repeats, path),
               "costs": {"source": costs.source, **costs.detail,
                         "run_other_cores": _machine(p.repeats[0]).get("other_cores")}}
         results.append(r)
-    path = Path(results[0]["costs"]["path"])                 # the profile that priced the first point
+    if all("emulated" in r for r in results):
+        return {"points": results, "against": str(against) if against is not None else None, "speed": None}
+    path = Path(next(r for r in results if "emulated" not in r)["costs"]["path"])   # the profile of the first real point
     prof = json.loads(path.read_text())
     by = (f"the calibration from {calibration}" if calibration is not None else
           f"the profile's calibration ({prof.get('refitted') or prof.get('created')})" if calibrated else
@@ -219,6 +253,35 @@ def recalibrate(run_dir: Path, profile: Path | None, point) -> dict:
     return cal | {"source": f"recalibrated from {run_dir}"}
 
 
+def emulation_system(calibration: Path | None, run_dir: Path) -> dict:
+    """The system latencies that simulate an emulated run: recalibrated from another emulated run
+    (`--calibration`), else this machine's calibration file (experiments/analysis/emulation_cal.py)."""
+    from experiments.analysis.emulation_cal import calibrate_system, default_path, load
+
+    if calibration is not None:
+        return calibrate_system([Path(calibration)]) | {"source": f"calibrated from {calibration}"}
+    path = default_path()
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is emulated, and this machine has no calibration of its emulated cluster at "
+                         f"{path}: give --calibration OTHER_EMULATED_RUN (the same command with another seed), or "
+                         f"write one with python -m experiments.analysis.emulation_cal OTHER_RUN --write")
+    return load(path) | {"source": str(path)}
+
+
+def emulator_error(rep_dirs: list[Path]) -> dict:
+    """The emulated steps' measured durations against their prices (metrics.json's emulated.steps), the
+    worst repeat's of each statistic."""
+    out: dict = {}
+    for d in rep_dirs:
+        st = (_metrics(d).get("emulated") or {}).get("steps") or {}
+        for k, v in st.items():
+            if isinstance(v, (int, float)) and k != "num":
+                out[k] = max(out.get(k, v), v)
+            elif k == "num":
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def _range(xs) -> list | None:
     """[lowest, highest] of a metric over a point's real repeats (None where a repeat lacks it)."""
     if any(x is None for x in xs) or not xs:
@@ -231,25 +294,29 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def target(key: str) -> float:
-    return TARGETS["goodput" if key == "goodput" else key.rsplit("_", 1)[1]]
+def target(key: str, targets: dict | None = None) -> float:
+    return (targets or TARGETS)["goodput" if key == "goodput" else key.rsplit("_", 1)[1]]
 
 
 def counts(result: dict, side: str = "sim") -> dict:
     """{"met", "total", "inside", "judged", "errors"} of one side ("sim" or "other") over every point and
     value: met of total values with an error, inside of judged values with a real spread."""
     many = len(result["points"]) > 1
-    errors, met, total, inside, judged = {}, 0, 0, 0, 0
+    errors, met, total, inside, judged, rerun = {}, 0, 0, 0, 0, 0
     for p in result["points"]:
         for k, j in p[side].items():
             errors[f"{p['point']}/{k}" if many else k] = j["error"]
             if j["met"] is not None:
                 total += 1
                 met += j["met"]
+                rerun += bool(j.get("within_rerun"))
             if j["inside"] is not None:
                 judged += 1
                 inside += j["inside"]
-    return {"met": met, "total": total, "inside": inside, "judged": judged, "errors": errors}
+    out = {"met": met, "total": total, "inside": inside, "judged": judged, "errors": errors}
+    if side == "sim" and result.get("against"):
+        out["met_within_rerun"] = rerun       # |error| within max(target, the second run's |error|)
+    return out
 
 
 def summary(result: dict) -> dict:
@@ -294,18 +361,32 @@ def print_table(result: dict) -> None:
             span = "n/a" if rng is None else f"{_fmt(rng[0])}-{_fmt(rng[1])}"
             row = f"{k:<12} {_fmt(p['real'][k]):>9} {span:>15}  {_cell(p['sim'][k])}"
             print(row + (f"  {_cell(p['other'][k])}" if other else ""))
-    for p in result["points"]:
+    real = [p for p in result["points"] if "emulated" not in p]
+    for p in real:
         lin = p["linears"]
         known = [r for r in lin["run"] if r != "unrecorded"]
         if lin["profile"] != "unrecorded" and known and known != [lin["profile"]]:
             print(f"{p['label']}: the run's CPU linears took {' and '.join(known)}, the profile's steps "
                   f"{lin['profile']}: it prices another engine (python -m experiments.profile on this one)")
-    c = result["points"][0]["costs"]
+    for p in result["points"]:
+        if "emulated" not in p:
+            continue
+        e, sys_ = p["emulated"], p["costs"]["system"]
+        err = (f"p50 {e['ms_p50']:.3f} ms ({e['rel_p50']:+.2%}), p90 {e['ms_p90']:.3f} ms ({e['rel_p90']:+.2%}), "
+               f"p99 {e['ms_p99']:.3f} ms ({e['rel_p99']:+.2%})" if e.get("num") else "not recorded")
+        print(f"{p['label']}: costs {p['costs']['source']}; the emulated steps took their price plus {err} over "
+              f"{e.get('num', 0)} steps (worst repeat's)")
+        print(f"  system ({sys_.get('source')}): dispatch {sys_['dispatch_s'] * 1e3:.3f} ms, gap "
+              f"{sys_['gap_coef'][0] * 1e3:.3f} ms + {sys_['gap_coef'][1] * 1e6:.1f} us per sequence, handoff "
+              f"{sys_['wire_s'] * 1e3:.3f} ms beside the link")
+    if not real:
+        return
+    c = real[0]["costs"]
     fe = c.get("fit_error") or {}
     factors = describe_factors(c.get("factors") or {}) or "none"
     print(f"costs: {c.get('source')}; step fit error median {fe.get('median_abs', float('nan')):.1%}, p90 "
           f"{fe.get('p90_abs', float('nan')):.1%}; serving factors {factors}")
-    runs = [x for x in (p["costs"].get("run_other_cores") for p in result["points"]) if x is not None]
+    runs = [x for x in (p["costs"].get("run_other_cores") for p in real) if x is not None]
     cal = c.get("calibration_other_cores")
     print(f"other processes' CPU: {'n/a' if cal is None else f'{cal:.2f}'} cores during the calibration, "
           f"{', '.join(f'{x:.2f}' for x in runs) or 'n/a'} during the run (first repeat of each point)")
@@ -321,13 +402,14 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path, help="a real run: one point, a directory of points, or a sweep")
+    ap.add_argument("run_dir", type=Path, help="a real or emulated run: one point, a directory of points, or a sweep")
     ap.add_argument("--profile", type=Path, help="the profile to simulate with (default: this machine's)")
     ap.add_argument("--uncalibrated", action="store_true", help="leave out the profile's serving calibration")
     ap.add_argument("--without", action="append", default=[], metavar="NAME",
                     help="leave out one part of the calibration (decode, prefill, shared_host, spread, gap_s, dispatch_s, "
                          "return_s, handoff); repeat for more")
-    ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run")
+    ap.add_argument("--calibration", type=Path, help="recalibrate serving costs from this other real run (emulated: "
+                                                     "the system's latencies, from another emulated run)")
     ap.add_argument("--against", type=Path, metavar="OTHER_RUN",
                     help="also compare another real run of the same requests: how far the machine is from "
                          "itself, the floor of any simulator's error here")
@@ -340,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(result)
     line = summary(result)
-    print(f"targets: |error| <= {TARGETS['mean']:.0%} on means and p50, {TARGETS['p90']:.0%} on p90 and p99, "
-          f"{TARGETS['goodput']:.0%} on goodput")
+    for t in {json.dumps(p["targets"], sort_keys=True): p["targets"] for p in result["points"]}.values():
+        print(f"targets: |error| <= {t['mean']:.0%} on means and p50, {t['p90']:.0%} on p90 and p99, "
+              f"{t['goodput']:.0%} on goodput" + (" (emulated points)" if t == EMULATED_TARGETS else ""))
     sides = [("simulated", line)] + ([("other run", line["against"])] if "against" in line else [])
     for who, c in sides:
         within = f"; within the real repeats' range on {c['inside']} of {c['judged']}" if c["judged"] else ""
-        print(f"{who}: {c['met']} of {c['total']} met{within}")
+        rerun = (f"; {c['met_within_rerun']} within max(target, the other run's error)"
+                 if "met_within_rerun" in c else "")
+        print(f"{who}: {c['met']} of {c['total']} met{rerun}{within}")
     spreads = [v for v in line["real_spread"].values() if v is not None]
     if spreads:
         print(f"the real run's own spread (highest - lowest repeat, over the value): median "

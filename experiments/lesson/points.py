@@ -11,12 +11,13 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
+from experiments.config import even_split
 from experiments.serving.serve import Prepared, prepare
 
 
 def disagg(gpus: int) -> str:
-    """The disaggregated layout of `gpus` GPUs the lesson serves: half of them (rounded down) prefill."""
-    return f"{gpus // 2}p{gpus - gpus // 2}d"
+    """The disaggregated layout of `gpus` GPUs the lesson serves: the default comparison's even split."""
+    return even_split(gpus)
 
 
 def point_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:

@@ -28,7 +28,7 @@ from experiments.config import ConfigError, RunSpec, points
 from experiments.progress import Progress, echo
 from experiments.serving.machine import shared_cores, snapshot, usage
 from experiments.serving.metrics import request_fields, summarize
-from experiments.serving.steps import step_ratio
+from experiments.serving.steps import price_error, step_ratio
 from experiments.workload import WorkloadError, WorkloadRequest, build_workload
 from workers.config import gemm_route
 
@@ -66,6 +66,8 @@ class Prepared:
     shared: str | None               # machine.SHARED with its arithmetic, when workers share cores
     failed: bool = False
     warnings: list[str] = field(default_factory=list)   # requests failed for reasons of their own
+    emulated: dict | None = None     # engine.timing=emulated: its engines, workers' prices and link, and what
+                                     # metrics.json records of them (experiments/sim/emulated.py)
 
     @property
     def repeat_config(self) -> str:
@@ -81,14 +83,16 @@ def prepare(cfg: DictConfig, run_dir: Path, overrides: str) -> list[Prepared]:
     out = []
     for sub, pcfg, spec in points(cfg):
         real = spec.backend == "real"
-        if real:
+        emulated = real and spec.engine.timing == "emulated"
+        if real and not emulated:
             check_memory(spec)
         try:
             requests = build_workload(spec.workload, spec.vocab_size, spec.max_model_len, spec.seed, token_ids=real)
         except (WorkloadError, ValueError) as e:
             raise ConfigError(f"workload: {str(e).splitlines()[0]}") from None
         c = spec.cluster
-        shared = shared_cores(c.num_workers, c.torch_threads, c.address is None, c.num_cpus) if real else None
+        shared = (shared_cores(c.num_workers, c.torch_threads, c.address is None, c.num_cpus)
+                  if real and not emulated else None)
         out.append(Prepared(run_dir / sub if sub else run_dir, pcfg, spec, requests,
                             identity(spec, pcfg, ",".join(filter(None, [overrides, sub]))), shared))
     return out
@@ -222,13 +226,14 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     from cluster.pool import WorkerPool
     from router.router import Router
 
-    spec, ident = p.spec, dict(p.ident)
+    spec, ident, emu = p.spec, dict(p.ident), p.emulated
     ensure_ray(spec)
-    pool = WorkerPool(spec.cluster, spec.model, engines_for(spec), spec.transfer)
+    engines = emu["engines"] if emu else engines_for(spec)
+    pool = WorkerPool(spec.cluster, spec.model, engines, spec.transfer, emu["emulation"] if emu else None)
     try:                                    # whatever fails, this point's actors and placement group go
         pool.start()
         info = pool.workers[0].info
-        ident["device"], ident["dtype"] = info["gpu"] or info["device"], info["dtype"]
+        ident["device"], ident["dtype"] = emu["device"] if emu else (info["gpu"] or info["device"]), info["dtype"]
         router = Router(pool, spec.router, spec.transfer, spec.fault).start()
         before = snapshot()
         t0 = drive(router, p.requests, f"{ident['label']} rep{repeat}")
@@ -249,6 +254,8 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     metrics["ci_level"], metrics["ci_method"] = 0.95, METHOD_WITHIN
     metrics["machine"] = usage(before, after) | {"workers_share_cores": p.shared is not None, "shared_cores": p.shared}
     metrics["repeat"], metrics["point"] = repeat, ident
+    if emu:
+        metrics["emulated"] = emu["record"] | {"steps": price_error(steps)}
     metrics["isolation"] = pool.isolation
     metrics["pool"] = served_on
     if pool.speed is not None:
@@ -256,6 +263,8 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
     if end_probe is not None:
         metrics["speed_probe_end"] = end_probe
     metrics["clocks"] = router.clock_report()
+    if router.killed_at is not None:      # when fault.kill_worker was killed, on the run's time (a replay kills then)
+        metrics["fault_times"] = {"kill_s": router.killed_at - t0}
     if router.transport_errors:
         metrics["transport_errors"] = router.transport_errors[:20]
     if unexpected := unexpected_failures(router.records.values()):

@@ -77,3 +77,21 @@ def step_ratio(steps: list[dict]) -> dict:
     dec, mix = pct(decode, 50), pct(mixed, 50)
     return {"decode_p50_ms": dec, "mixed_p50_ms": mix, "ratio": mix / dec if mix is not None and dec else None,
             "num_decode_steps": len(decode), "num_mixed_steps": len(mixed)}
+
+
+def price_error(steps: list[dict]) -> dict:
+    """How long an emulated engine's steps took against their price (steps.jsonl's price_s): the
+    emulator's own error, over the steps that carry a price. Relative errors (measured - price) / price
+    as median, p90, p99 and max; the same in milliseconds; how many steps."""
+    rel, ms = [], []
+    for s in steps:
+        price, d = num(s.get("price_s")), step_ms(s)
+        if price is None or d is None or price <= 0:
+            continue
+        rel.append((d / 1e3 - price) / price)
+        ms.append(d - price * 1e3)
+    if not rel:
+        return {"num": 0}
+    return {"num": len(rel), **{f"rel_{k}": pct(rel, q) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "rel_max": max(rel), **{f"ms_{k}": pct(ms, q) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "ms_max": max(ms)}

@@ -72,6 +72,23 @@ def chunk_features(num_decode: int, decode_context: int, chunks: list[tuple[int,
             num_decode + sum(1 for *_, e in chunks if e), sum(n * s for n, s, _ in chunks))
 
 
+class StepPrice:
+    """A step model as an emulated engine's price (workers/emulated.py's StepPrice): what the simulator
+    charges a scheduled step with the same features. Only a model whose steps do not vary with the
+    host (no shared_host factor, no spread) prices an emulated device: those serving factors are this
+    machine's, and the emulated cluster runs on it for real."""
+
+    def __init__(self, model):
+        if getattr(model, "shared_host", None) or getattr(model, "spread", None):
+            raise ValueError(f"step model {model.name}: a model with serving factors (shared_host, spread) "
+                             "prices a machine's serving, not an emulated device; use its isolated steps")
+        self.model = model
+        self.name = model.name
+
+    def price(self, sched) -> float:
+        return self.model.time(features(sched))
+
+
 FACTORS = ("decode", "prefill", "shared_host", "spread")   # the serving factors a calibration may fit
 
 def describe_factors(factors: dict) -> str:

@@ -5,10 +5,12 @@ experiments/analysis/profile.py from `benchmarks.transfer`'s measurements (sever
 least squares on time against bytes), or from datasheet link bandwidths for a GPU cluster (NVLink
 within a node, the NIC between nodes; the latency is an assumption, stated where it is set).
 
-`Links`: contention. Every worker has one egress and one ingress; a transfer holds the sender's
-egress and the receiver's ingress for its whole duration, first come first served, so transfers out
-of one prefill worker (or into one decode worker) queue behind each other, and a busy link delays a
-handoff as it would on the wire.
+`Links`: contention. Every worker has one egress and one ingress, each carrying one transfer at a
+time, first come first served: a transfer leaves the sender once its egress is free and has carried
+it (latency + bytes / bandwidth), and is in once the receiver's ingress, free after the transfer
+before it, has carried it too. So transfers out of one prefill worker (or into one decode worker)
+queue behind each other, and one that finds the receiver busy waits there without holding its
+sender's egress (the emulated wire's rule too: cluster/transfer/link.py).
 
 Streaming (`stream` "layer" or "chunk", the KV of a prompt sent as the prefill computes it): the
 transfer may start once the prefill's first step has begun and the link is free; it ends no earlier
@@ -73,13 +75,15 @@ class Links:
         may go at `stream_start` and whose last part (a `last_part` share of the bytes) is final at `ready`."""
         if not 0 < last_part <= 1:
             raise ValueError(f"last_part={last_part} must be a share of the bytes in (0, 1]")
-        free = max(self.egress.get(src, 0.0), self.ingress.get(dst, 0.0))
-        if stream_start is None:
-            start = max(ready, free)
-            done = start + model.seconds(nbytes)
-        else:
+        e, i = self.egress.get(src, 0.0), self.ingress.get(dst, 0.0)
+        s = model.seconds(nbytes)
+
+        def finish(free: float) -> tuple[float, float]:
+            if stream_start is None:
+                return max(ready, free), max(ready, free) + s
             start = max(stream_start, free)
-            done = max(start + model.seconds(nbytes),
-                       max(ready, free) + model.seconds(nbytes * last_part))
-        self.egress[src] = self.ingress[dst] = done
+            return start, max(start + s, max(ready, free) + model.seconds(nbytes * last_part))
+        _, out = finish(e)                       # it has left the sender
+        start, done = finish(max(e, i))          # and is in once the receiver's ingress has taken it
+        self.egress[src], self.ingress[dst] = out, done
         return start, done
