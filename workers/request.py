@@ -177,9 +177,10 @@ def validate_request(request_id, prompt_ids, params, vocab_size: int, max_model_
         bad(str(e))
     if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
         bad("empty prompt: prompt_ids must be a non-empty list of token ids")
-    for i, tok in enumerate(prompt_ids):
-        if not _is_int(tok) or not 0 <= tok < vocab_size:
-            bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab_size})")
+    if not (set(map(type, prompt_ids)) == {int} and min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size):
+        for i, tok in enumerate(prompt_ids):     # (the fast check above runs in C; this names the culprit)
+            if not _is_int(tok) or not 0 <= tok < vocab_size:
+                bad(f"prompt_ids[{i}]={tok!r} is not a token id in [0, {vocab_size})")
     for i, tok in enumerate(params.stop_token_ids):
         if tok >= vocab_size:
             bad(f"stop_token_ids[{i}]={tok} is not a token id in [0, {vocab_size})")

@@ -44,6 +44,9 @@ def shown(value, limit: int = 60) -> str:
     return text[:limit]
 
 
+_CONTAINERS = frozenset({dict, list})      # all msgpack decodes to (use_list, no ext types)
+
+
 def unpack(data, what: str, max_bytes: int, max_depth: int, rid_of=None):
     """msgpack -> plain values, no bin/ext types, at most `max_depth` containers deep (checked
     without recursion); raises WireError naming the request when `rid_of(value)` finds one."""
@@ -56,18 +59,14 @@ def unpack(data, what: str, max_bytes: int, max_depth: int, rid_of=None):
     except Exception as e:   # msgpack raises several unrelated types; its text names no input value
         raise WireError(f"{what} is not valid msgpack: {type(e).__name__}: {str(e)[:120]}", peek_id(data)) from None
     rid = rid_of(value) if rid_of is not None else None
-    stack = [(value, 0)]
+    stack = [(value, 0)] if type(value) in _CONTAINERS else []
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
         if depth >= max_depth:
             raise WireError(f"{what} nests containers deeper than {max_depth}", rid)
-        stack.extend((c, depth + 1) for c in children)
+        children = [*item.keys(), *item.values()] if type(item) is dict else item
+        if _CONTAINERS & set(map(type, children)):      # (in C: a prompt's ids are looked at once, not pushed)
+            stack.extend((c, depth + 1) for c in children if type(c) in _CONTAINERS)
     return value, rid
 
 
