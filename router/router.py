@@ -86,6 +86,7 @@ class Router(RouterThreads, RouterEvents):
         self._degraded: set[str] = set()      # notes of degraded serving already logged
         self.clocks = {w.rank: WorkerClock() for w in pool.workers}   # offset 0 until probed
         self._names = {w.rank: w.name for w in pool.workers}           # still known once the pool is shut down
+        self._commands: dict = {}             # rank -> ZeroMQ socket to the worker's commands (router/threads.py)
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> "Router":
@@ -264,8 +265,8 @@ class Router(RouterThreads, RouterEvents):
             drop = rec.attempts == 1 and self._num_handoffs == self.faults.timeout_transfer_of
             rec.injected_fault = rec.injected_fault or drop
         params = dataclasses.replace(self._params[rec.id], max_tokens=left)
-        prefill.actor.submit.remote(att.aid, prompt, params.to_dict(), decode.rank if kind == "handoff" else None,
-                                    drop, kind == "whole")
+        self._command(prefill, "submit", att.aid, prompt, params.to_dict(), decode.rank if kind == "handoff" else None,
+                      drop, kind == "whole")
 
     def _drop(self, att: Attempt, abort: bool = True) -> None:
         """Forget an attempt: release its load and (unless it finished) tell live workers to drop it."""
@@ -273,7 +274,7 @@ class Router(RouterThreads, RouterEvents):
             return
         for w in {att.prefill, att.decode} if abort else ():
             if w.alive:
-                w.actor.abort.remote(att.aid)
+                self._command(w, "abort", att.aid)
 
     def _finish(self, att: Attempt, finish_reason: str) -> None:
         self._drop(att, abort=False)

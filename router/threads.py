@@ -52,15 +52,40 @@ class RouterThreads:
         sock.bind_to_random_port(f"tcp://{host}")
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._spawn(self._event_loop, sock, name="router-events")
-        calls = {w: w.actor.send_events.remote(address) for w in self.pool.workers if w.alive}
-        for w, ref in calls.items():
+        local = self.pool.cfg.address is None
+        calls = {w: (w.actor.send_events.remote(address), w.actor.listen.remote("127.0.0.1" if local else w.info["host"]))
+                 for w in self.pool.workers if w.alive}
+        ctx = zmq.Context.instance()
+        for w, (pushing, listening) in calls.items():
             try:
-                ray.get(ref, timeout=self.cfg.liveness_timeout_s)
+                ray.get(pushing, timeout=self.cfg.liveness_timeout_s)
+                cmd = ctx.socket(zmq.PUSH)
+                cmd.setsockopt(zmq.LINGER, 0)
+                cmd.connect(ray.get(listening, timeout=self.cfg.liveness_timeout_s))
+                self._commands[w.rank] = cmd
             except ray.exceptions.RayError as e:     # its poll loop finds out what became of it
-                log.warning("%s did not take the events' address: %s", w.name, type(e).__name__)
+                log.warning("%s did not take the router's sockets: %s", w.name, type(e).__name__)
+
+    def _command(self, w: WorkerHandle, *msg) -> None:
+        """Send a worker a command over its socket (a Ray call where it has none). Under the router's lock:
+        one sender at a time per socket."""
+        import msgpack
+
+        import zmq
+
+        sock = self._commands.get(w.rank)
+        if sock is not None:
+            try:
+                return sock.send(msgpack.packb(list(msg), use_bin_type=True), flags=zmq.NOBLOCK)
+            except zmq.Again:           # its socket is full (a worker gone, not yet known dead): the slow way
+                pass
+        getattr(w.actor, msg[0]).remote(*msg[1:])
 
     def _close_events(self) -> None:
         """Tell the live workers to keep their events for a poll again (or for the next router)."""
+        for sock in self._commands.values():
+            sock.close(linger=0)
+        self._commands.clear()
         calls = [w.actor.send_events.remote(None) for w in self.pool.workers if w.alive]
         try:
             ray.get(calls, timeout=self.cfg.liveness_timeout_s)
