@@ -26,6 +26,7 @@ from cluster.events import SendFailed, Sent, TransportError, WorkerEvent
 from cluster.kv_in import reason_of
 from cluster.transfer import staging
 from cluster.transfer.wire import KVHandoff, handoff_for
+from workers.emulated import realtime
 from workers.engine import Engine
 from workers.events import KVReady, KVReset
 
@@ -145,6 +146,8 @@ class KVOut:
         """One destination's transfers, message by message, on a CUDA stream of its own; every
         failure ends in an event, and nothing ends the thread."""
         staging.own_stream(self.engine.device)
+        if getattr(self.engine, "emulated", False):    # its waits are an emulated link's: on time, however busy
+            realtime()
         state = ({}, set(), [None])       # begun: rid -> [start wall time, perf start, bytes]; failed; channel
         while True:
             item = q.get()

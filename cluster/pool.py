@@ -122,7 +122,11 @@ class WorkerPool(PoolLosses):
             w.info = info
         if emulated:
             self.isolation = {"dedicated": False, "workers": len(self.workers), "emulated": True,
-                              "reason": "emulated workers wait for their steps' prices: none is pinned to cores"}
+                              "reason": "emulated workers wait for their steps' prices: none is pinned to cores",
+                              "realtime": {w.name: w.info.get("realtime") for w in self.workers}}
+            if not all(all(w.info.get("realtime", {}).values()) for w in self.workers):
+                log.warning("emulated workers could not all take real-time priority (SCHED_FIFO needs "
+                            "CAP_SYS_NICE): their steps start late when the machine is busy (docs/emulation.md)")
         else:
             self._isolate(cpus, driver_node)
         if self.cfg.mode == "disaggregated":

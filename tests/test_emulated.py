@@ -46,7 +46,8 @@ def test_each_step_waits_for_its_price_and_records_it():
     assert [s.num_tokens for s in e.trace] == [512, 188, 1, 1, 1]   # the real scheduler's steps
     for s in e.trace:
         assert s.price_s == pytest.approx(2e-3 + 1e-5 * s.num_tokens)
-        assert s.end - s.start >= s.price_s                         # never shorter than its price
+        assert s.end - s.start == pytest.approx(s.price_s, abs=1e-6)   # it ends when its price says
+        assert s.forward_s >= s.price_s                             # and the host woke no sooner
     assert e.memory()["kv_pool_bytes"] == 0 and e.cache.nbytes == 0
 
 

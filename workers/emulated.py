@@ -4,8 +4,11 @@ waits for each step's price instead of computing it (`engine.timing=emulated`).
 Everything else of the engine is the real one: its scheduler, block manager, post-processing and
 handoff, run by the real worker loop beside the real router and KV wire. Only the forward pass is
 replaced: the step's price (seconds, from a `StepPrice` the caller supplies, such as the
-simulator's cost model for a GPU) is waited out, from the step's start, and the step records the
-price beside the time it really took, so a reader sees the emulator's own error.
+simulator's cost model for a GPU) is waited out from the step's start. The step ends, and its tokens
+are made, at its start plus its price, as a GPU's kernels end whatever the host is doing; the host
+thread wakes to them a little later (how much later depends on the machine's load), and that is
+recorded too: the step's `forward_s` is the wait as measured, beside its `price_s`, so a reader sees
+the emulator's own error, and the next step starts only once the host is back.
 
 What it does not do: no kernel runs and no KV byte exists. A request's KV is a `meta` tensor (shape
 and dtype, no storage), so an export, a transfer and an import handle its declared size alone.
@@ -15,6 +18,7 @@ its `max_tokens`, as in the simulator.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -27,8 +31,6 @@ from workers.scheduler import SchedulerOutput
 
 PR_SET_TIMERSLACK = 29
 TIMER_SLACK_NS = 1000     # how late Linux may wake a sleeping thread on purpose (its default: 50 us)
-SPIN_S = 150e-6           # the last stretch before a deadline is spun, not slept: a sleeping thread wakes
-                          # 50-100 us late on a virtual machine even with the slack lowered
 
 
 class StepPrice(Protocol):
@@ -40,13 +42,31 @@ class StepPrice(Protocol):
         """Seconds the step's forward pass takes."""
 
 
+REALTIME_PRIORITY = 1     # SCHED_FIFO's lowest: above every ordinary thread, below the kernel's own
+
+
+def realtime() -> bool:
+    """Run the calling thread under SCHED_FIFO, so that it wakes at its deadline however busy the
+    machine is (a thread of ordinary priority woke up to 4 ms late beside three busy processes on two
+    cores, one under SCHED_FIFO within 66 us). For the threads of an emulated worker, which sleep
+    almost all the time: Linux's real-time throttling keeps them from taking a core whole. False
+    where the OS refuses it (no CAP_SYS_NICE) or has no such policy."""
+    if not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+        return True
+    except OSError:
+        return False
+
+
 _slack = threading.local()
 
 
 def sleep_until(deadline: float, clock=time.perf_counter) -> None:
-    """Wait until `clock()` reaches `deadline`: asleep until SPIN_S before it, then spinning (the
-    GIL is given up every switch interval meanwhile). The first call in a thread lowers its timer
-    slack to TIMER_SLACK_NS."""
+    """Sleep until `clock()` reaches `deadline` (a thread wakes 50-100 us after it on a virtual
+    machine, later when every core is busy). The first call in a thread lowers its timer slack to
+    TIMER_SLACK_NS."""
     if not getattr(_slack, "set", False):
         _slack.set = True
         if sys.platform == "linux":
@@ -54,10 +74,8 @@ def sleep_until(deadline: float, clock=time.perf_counter) -> None:
                 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
             except (OSError, AttributeError):
                 pass
-    while (left := deadline - SPIN_S - clock()) > 0:
+    while (left := deadline - clock()) > 0:
         time.sleep(left)
-    while clock() < deadline:
-        pass
 
 
 def meta_kv(layers: int, tokens: int, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:

@@ -177,7 +177,9 @@ class Engine:
         except Exception as e:  # the whole pass failed and no row is to blame: its requests end, the engine goes on
             reason = f"the step serving it failed: {type(e).__name__}: {e}"
             return [self.fail(c.request.id, reason) for c in sched.chunks]
-        end = self.clock()
+        # an emulated step ends when its price says, as a GPU's kernels end whenever the host wakes to them;
+        # how late the host woke is in forward_s (its measured wait) and delays the next step's start
+        end = start + self.runner.price_s if self.emulated else self.clock()
         if self.cfg.kv_stream == "chunk":                 # the chunk's KV, every layer, once it is done
             for rid, s, n in streams:
                 self._tell_kv(KVReady(rid, 0, self.mcfg.num_layers, s, s + n), stream_failed)

@@ -18,9 +18,9 @@ class StepRecord:
     num_waiting: int
     num_preempted: int
     prepare_s: float = 0.0     # of the step's time: building its inputs,
-    forward_s: float = 0.0     # the model,
+    forward_s: float = 0.0     # the model (emulated: the wait for its price, as measured),
     sample_s: float = 0.0      # and choosing the tokens
-    price_s: float | None = None   # emulated engine: what the step was priced at (None: it computed)
+    price_s: float | None = None   # emulated engine: the step's price, end - start (None: it computed)
 
     @property
     def duration(self) -> float:

@@ -41,7 +41,7 @@ from cluster.transfer.base import (Inbound, Part, RecvBuffers, TransferConfig, T
                                    TransferTimeout, frames, hand_over, safe_report)
 from cluster.transfer.wire import (WIRE_DTYPES, CancelMeta, EndMeta, Expect, KVHandoff, PartMeta, WireError,
                                    decode_cancel, decode_end, decode_header, decode_part, peek_request_id)
-from workers.emulated import sleep_until
+from workers.emulated import realtime, sleep_until
 
 SWEEP_S = 0.1        # how often transfers are checked against timeout_s
 FRAMES = {b"B": 2, b"P": 3, b"E": 2, b"X": 2}     # each message kind's frames, its tag included
@@ -194,6 +194,8 @@ class ZmqTransport:
     def _receive_loop(self, expect: Expect, deliver, report) -> None:
         """Until closed: one message at a time; nothing but the socket failing ends the loop."""
         staging.own_stream(self.device)
+        if self.link is not None:           # its waits are an emulated link's: on time, however busy the host
+            realtime()
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         last_sweep = time.monotonic()

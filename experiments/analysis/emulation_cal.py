@@ -9,7 +9,7 @@ its time on the link, the router reading a worker's tokens. `calibrate_system` r
 - `dispatch_s`: over requests that found their worker idle, their first step's start less their
   arrival, less the gap before a first step (gap_coef[0]): the router's submit reaching the worker;
 - `gap_coef` [g0, g1]: the time between two steps of a busy worker (its step left it work), fitted as
-  g0 + g1 * the sequences of the step before (least squares over every such gap);
+  g0 + g1 * the sequences of the step before (least squares on each sequence count's median);
 - `wire_s`: the handoff's own time beside the link's: the prefill step's end to the last KV byte in
   (exposed_transfer_s) less the link's time for those bytes (metrics.json's emulated.link), over
   handoffs with transfer.stream off; the simulator adds it to the link's latency;

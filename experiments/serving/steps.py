@@ -80,16 +80,17 @@ def step_ratio(steps: list[dict]) -> dict:
 
 
 def price_error(steps: list[dict]) -> dict:
-    """How long an emulated engine's steps took against their price (steps.jsonl's price_s): the
-    emulator's own error, over the steps that carry a price. Relative errors (measured - price) / price
-    as median, p90, p99 and max; the same in milliseconds; how many steps."""
+    """How long an emulated engine's waits took against their price (steps.jsonl's forward_s, measured,
+    and price_s): the emulator's own error, the host waking late, over the steps that carry a price.
+    Relative errors (measured - price) / price as median, p90, p99 and max; the same in milliseconds;
+    how many steps."""
     rel, ms = [], []
     for s in steps:
-        price, d = num(s.get("price_s")), step_ms(s)
-        if price is None or d is None or price <= 0:
+        price, waited = num(s.get("price_s")), num(s.get("forward_s"))
+        if price is None or waited is None or price <= 0:
             continue
-        rel.append((d / 1e3 - price) / price)
-        ms.append(d - price * 1e3)
+        rel.append((waited - price) / price)
+        ms.append((waited - price) * 1e3)
     if not rel:
         return {"num": 0}
     return {"num": len(rel), **{f"rel_{k}": pct(rel, q) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))},

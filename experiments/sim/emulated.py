@@ -113,7 +113,8 @@ def sim_costs(spec: RunSpec, system: dict | None = None) -> Costs:
     gap_coef, export, import, from experiments/analysis/emulation_cal.py; None: the cost source's own)."""
     costs = emulation_costs(spec)
     link = emulation_link(spec, costs)
-    model = TransferModel(link.latency_s, link.bandwidth, link.name)
+    wire = system.get("wire_s", 0.0) if system else 0.0       # the handoff's handling beside the link's time
+    model = TransferModel(link.latency_s + wire, link.bandwidth, link.name + (" + handoff" if wire else ""))
     costs = replace(costs, transfer={"local": model, "node": model, "network": model})
     if system:
         costs = replace(costs, dispatch_s=system["dispatch_s"], return_s=system["return_s"],
