@@ -337,6 +337,18 @@ class Worker:
         steps = self.engine.take_trace() if drain else list(self.engine.trace)
         return [s.to_dict() for s in steps]
 
+    def memory_used(self) -> dict:
+        """This worker process's resident memory now and at its peak (/proc/self/status), in bytes."""
+        out = {}
+        try:
+            for line in open("/proc/self/status"):
+                key = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes"}.get(line.split(None, 1)[0])
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return out
+
     def stats(self) -> dict:
         """Live gauges for a front end's /metrics, read without stopping the loop (each value is
         atomic; together they may be one step apart)."""

@@ -184,3 +184,48 @@ def test_a_part_carrying_bytes_on_an_emulated_link_is_refused():
         sock.close(linger=0)
     finally:
         rx.close()
+
+
+# -- an emulated cluster on the embedded Ray ---------------------------------------------------------
+def _served(tmp_path, *overrides):
+    """One repeat of one emulated point, served into tmp_path (the points of run.run_points)."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.serving.serve import prepare, serve_repeat
+    from experiments.sim.emulated import prepare_emulation
+    from tests.conftest import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["model=llama-3-8b", "hardware=h200", "hardware.costs=roofline",
+                                           "engine.timing=emulated", "repeats=1", "report=false", *overrides])
+    (p,) = prepare_emulation(prepare(cfg, tmp_path, ""))
+    out = tmp_path / "rep0"
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(p.repeat_config)
+    return p, serve_repeat(p, 0, out), out
+
+
+@pytest.mark.slow
+def test_an_emulated_cluster_serves_llama_8b_at_h200_time_on_fake_gpus(ray_session, tmp_path):
+    import json
+
+    from experiments.serving.aggregate import read_jsonl
+    from experiments.sim.backend import num_blocks
+
+    p, metrics, out = _served(tmp_path, "cluster.gpus=4", "layout=2p2d", "workload.num_requests=12",
+                              "workload.rate=20")
+    rows, steps = read_jsonl(out / "requests.jsonl"), read_jsonl(out / "steps.jsonl")
+    assert [r["status"] for r in rows] == ["ok"] * 12
+    assert all(r["output_len"] == r["max_tokens"] for r in rows)            # to max_tokens, as simulated
+    emu = metrics["emulated"]
+    assert emu["num_kv_blocks"]["decode"] == num_blocks(p.spec, "decode", 2) > 40_000   # 141 GB less the weights
+    assert metrics["point"]["device"] == "emulated h200"
+    for s in steps:
+        assert s["end_s"] - s["start_s"] == pytest.approx(s["price_s"], abs=1e-6)
+        assert s["forward_s"] >= s["price_s"]
+    link = emu["link"]
+    for r in rows:
+        assert r["transfer_bytes"] == r["prompt_len"] * 131072             # declared: 128 KiB a token
+        assert r["exposed_transfer_s"] >= link["latency_s"] + r["transfer_bytes"] / link["bandwidth"]
+    peaks = json.loads((out / "metrics.json").read_text())["emulated"]["worker_peak_rss_bytes"]
+    assert len(peaks) == 4 and all(0 < b < 0.5e9 for b in peaks.values()), peaks   # no model, no KV bytes

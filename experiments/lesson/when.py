@@ -49,7 +49,7 @@ def _steps_text(source: str) -> str:
                 "database, composed into steps by `experiments/sim/gpu_costs.py`); the host gap between steps, "
                 "the messages and the KV link are assumptions `experiments/sim/costs.py` states. ")
     return ("The step times are the roofline's at the efficiencies `experiments/sim/stepmodel.py` states, not a "
-            "measurement on that GPU (install the gpu-costs extra for measured ones). ")
+            "measurement on that GPU (aiconfigurator-core, a dependency, prices the GPUs it has measured). ")
 
 
 STREAM_TEXT = {

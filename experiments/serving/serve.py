@@ -242,6 +242,11 @@ def serve_repeat(p: Prepared, repeat: int, out: Path) -> dict:
         traces = router.traces()          # steps on the router's clock, like the requests
         end_probe = pool.probe() if spec.cluster.speed_probe else None   # the same, once it has served
         served_on = pool.record()     # the layout served, each worker's place, workers lost (docs/faults.md)
+        if emu:                       # an emulated worker is meant to stay small: what each one held at its peak
+            used = pool.gather({w: w.actor.memory_used.remote() for w in pool.workers if w.alive}, "memory", 30,
+                               errors={})
+            emu = emu | {"record": emu["record"] | {"worker_peak_rss_bytes": {
+                w.name: m.get("peak_rss_bytes") for w, m in used.items()}}}
     finally:
         pool.shutdown()
     rows = [request_row(rec, t0) for rec in router.records.values()]

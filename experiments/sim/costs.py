@@ -9,7 +9,7 @@ and every simulated run records it.
 
 `from_profile` reads a profile of the device at hand (experiments/analysis/profile.py writes it);
 `from_gpu` prices a datasheet GPU's steps from NVIDIA's measured database (aiconfigurator-core, the
-`gpu-costs` extra; experiments/sim/gpu_costs.py) where it has the GPU and model, the roofline elsewhere;
+aiconfigurator-core, a dependency; experiments/sim/gpu_costs.py) where it has the GPU and model, the roofline elsewhere;
 `from_roofline` builds datasheet costs for a GPU: step times from the roofline model, transfers over
 NVLink within a node and the NIC between nodes, export and import as device copies at the memory
 efficiency, and messages at an assumed 0.5 ms each way (Ray calls on the host; not measured on a GPU).

@@ -1,6 +1,6 @@
 """GPU step times from NVIDIA's measured performance database (aiconfigurator-core), roofline as fallback.
 
-`aiconfigurator-core` (Apache-2.0; `pip install -e ".[gpu-costs]"`) ships per-operation kernel times
+`aiconfigurator-core` (Apache-2.0; a dependency of pdlab) ships per-operation kernel times
 measured on datacenter GPUs (GEMMs, attention, norms, ...) for vLLM, SGLang and TensorRT-LLM, and
 composes them into the time of one engine step. pdlab asks it for three things, once per (model, GPU,
 framework), on a grid of shapes, and keeps them as tables (`Tables`):
@@ -272,7 +272,7 @@ def open_engine(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_bytes
         import aiconfigurator_core
         from aiconfigurator_core.sdk.engine import EngineHandle
     except ImportError:
-        raise SourceUnavailable("aiconfigurator-core is not installed (pip install -e \".[gpu-costs]\")") from None
+        raise SourceUnavailable("aiconfigurator-core is not installed (pip install \"aiconfigurator-core>=0.12,<0.13\")") from None
     system = SYSTEMS[gpu]
     quiet = logging.getLogger("aiconfigurator_core")
     level = quiet.level
@@ -331,7 +331,7 @@ def measured_tables(cfg: ModelConfig, gpu: str, framework: str = "vllm", dtype_b
         return _TABLES[key]
     _check(gpu, framework, dtype_bytes)
     if not _installed():
-        raise SourceUnavailable("aiconfigurator-core is not installed (pip install -e \".[gpu-costs]\")")
+        raise SourceUnavailable("aiconfigurator-core is not installed (pip install \"aiconfigurator-core>=0.12,<0.13\")")
     path = _disk_path(cfg, gpu, framework, grid)
     try:
         tables = Tables(**json.loads(path.read_text()))
