@@ -110,6 +110,10 @@ class Fatal:
 WorkerEvent = (Step | Rejected | Failed | Sent | SendFailed | Imported | ImportFailed | TransportError | OutOfService
                | Fatal)
 KINDS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(WorkerEvent)}
+# each kind's fields and their types, read once (get_type_hints re-parses the annotations on every call:
+# it cost the router more than the rest of handling an event)
+_SHAPES: dict[type, tuple[dict, dict]] = {cls: ({f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls))
+                                          for cls in KINDS.values()}
 
 
 def to_wire(ev: WorkerEvent) -> dict:
@@ -125,11 +129,10 @@ def from_wire(d: dict) -> WorkerEvent:
     cls = KINDS.get(kind)
     if cls is None:
         raise BadEvent(f"unknown event kind {kind!r}: expected one of {sorted(KINDS)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields, hints = _SHAPES[cls]
     unexpected = sorted(set(d) - set(fields) - {"kind"})
     if unexpected:
         raise BadEvent(f"{kind} event: unexpected field(s) {unexpected}")
-    hints = typing.get_type_hints(cls)
     values = {}
     for name, f in fields.items():
         if name not in d:
