@@ -30,6 +30,7 @@ BENCHES = {
     "serve": ("benchmarks.serve", "the HTTP server under an OpenAI-client load"),
     "overhead": ("benchmarks.overhead", "the router's own cost per request"),
     "sim": ("experiments.sim.bench", "simulator speed at scale"),
+    "emulation": ("benchmarks.emulation", "how many emulated GPUs this machine holds before its lag shows"),
 }
 
 
@@ -45,8 +46,11 @@ def usage() -> str:
 
 def resolve(argv: list[str]) -> tuple[str, str, list[str]]:
     """(program name, module, its arguments) for `pdlab ARGV`; SystemExit with usage on a bad name."""
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        raise SystemExit(usage())
+    if not argv:
+        raise SystemExit(usage())                    # (no command: an error, exit 1)
+    if argv[0] in ("-h", "--help", "help"):          # a help request is not: usage on stdout, exit 0
+        print(usage())
+        raise SystemExit(0)
     name, rest = argv[0], argv[1:]
     if name == "bench":
         if not rest or rest[0] in ("-h", "--help") or rest[0] not in BENCHES:

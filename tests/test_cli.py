@@ -30,3 +30,11 @@ def test_a_subcommand_runs_its_module_with_the_arguments():
     bad = subprocess.run([sys.executable, "-m", "experiments.cli", "gpu-check", "--only", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown stage(s) ['nope']" in bad.stderr
+
+
+def test_a_help_request_is_not_an_error():
+    for flag in ("--help", "-h", "help"):
+        out = subprocess.run([sys.executable, "-m", "experiments.cli", flag], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage: pdlab COMMAND" in out.stdout, flag
+    bare = subprocess.run([sys.executable, "-m", "experiments.cli"], capture_output=True, text=True)
+    assert bare.returncode == 1 and "usage: pdlab COMMAND" in bare.stderr

@@ -53,6 +53,7 @@ TARGETS = {"mean": 0.05, "p50": 0.05, "p90": 0.10, "p99": 0.10, "goodput": 0.05}
 # An emulated run (engine.timing=emulated): the simulator and the cluster price every step alike, so what
 # is left to differ is the system (docs/emulation.md), and the targets are tight.
 EMULATED_TARGETS = {"mean": 0.02, "p50": 0.02, "p90": 0.05, "p99": 0.05, "goodput": 0.02}
+STEAL_CORES = 0.1        # an emulated run the hypervisor took more CPU from than this is said to be disturbed
 TARGETS_KEYS = [name for name, _, _ in METRICS] + ["goodput"]
 
 
@@ -195,7 +196,9 @@ def validate(run_dir: Path, profile: Path | None = None, calibrated: bool = True
             costs = sim_costs(spec, system)
             r = point_result(name, p.info.get("label"), [real_values(d) for d in p.repeats],
                              [replay(d, costs) for d in p.repeats], other, EMULATED_TARGETS)
+            steal = [_machine(d).get("steal_cores") for d in p.repeats]
             r |= {"machine": p.metrics.get("machine") or {}, "emulated": emulator_error(p.repeats),
+                  "steal_cores": max((x for x in steal if x is not None), default=None),
                   "costs": {"source": costs.source, "system": system}}
             results.append(r)
             continue
@@ -331,6 +334,7 @@ def summary(result: dict) -> dict:
             spread[f"{p['point']}/{k}" if many else k] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
     line |= {"max_abs_error": max(defined) if defined else None, "real_spread": spread}
     line["speed_ratio"] = (result.get("speed") or {}).get("ratio")          # {kind: x}, None: not read
+    line["disturbed"] = [p["point"] for p in result["points"] if (p.get("steal_cores") or 0) > STEAL_CORES]
     if result.get("against"):
         line["against"] = counts(result, "other") | {"run": result["against"]}
     return line
@@ -376,6 +380,10 @@ def print_table(result: dict) -> None:
                f"p99 {e['ms_p99']:.3f} ms ({e['rel_p99']:+.2%})" if e.get("num") else "not recorded")
         print(f"{p['label']}: costs {p['costs']['source']}; the emulated steps took their price plus {err} over "
               f"{e.get('num', 0)} steps (worst repeat's)")
+        steal = p.get("steal_cores")
+        if steal is not None and steal > STEAL_CORES:
+            print(f"  the hypervisor took {steal:.2f} cores from this point's run (machine.steal_cores, worst repeat): "
+                  "its workers woke late for want of a CPU, which no model of the system holds; serve it again")
         print(f"  system ({sys_.get('source')}): dispatch {sys_['dispatch_s'] * 1e3:.3f} ms, gap "
               f"{sys_['gap_coef'][0] * 1e3:.3f} ms + {sys_['gap_coef'][1] * 1e6:.1f} us per sequence, handoff "
               f"{sys_['wire_s'] * 1e3:.3f} ms beside the link")

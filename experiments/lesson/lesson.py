@@ -236,6 +236,10 @@ def rate_curves_simulated(cfg: DictConfig, points: LessonPoints, out: Path, meas
         top = max(splits, key=lambda c: (c["last_met"] or 0.0))
         sim["breakdown"] = rates.against(top["breakdown"], colo["breakdown"]) | {
             "disaggregated_layout": top["name"], "colocated_layout": colo["name"], "rate_per_gpu": g.breakdown_rate_per_gpu}
+    if points.emulated:                     # the curve's rate served on emulated engines beside the simulator
+        names = list(cfg.goodput_vs_rate.emulated.layouts)
+        served = serve(cfg, names, points.emulated)
+        sim["emulated"] = rates.emulated_rows({n: p.out for n, p in zip(names, points.emulated)}, served)
     figures.goodput_rate_plot(
         sim, measured, out / "goodput_vs_rate.png",
         (f"simulated: {e.model} on {e.gpus} {e.hardware}, prompt {g.prompt_len}, output {g.output_len}, {g.slo} SLO",

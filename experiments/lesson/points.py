@@ -11,7 +11,8 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.analysis import decision_sim
-from experiments.config import even_split
+from experiments.analysis.decision_sim import cell_config
+from experiments.config import apply_layout, even_split
 from experiments.serving.serve import Prepared, prepare
 
 
@@ -31,6 +32,7 @@ class LessonPoints:
     decision: list[Prepared]       # the measured decision cells' points
     base: DictConfig               # the simulated sections' run config
     slo: dict                      # goodput_vs_rate.simulated's SLO, in ms
+    emulated: list[Prepared]       # goodput_vs_rate.emulated's points: the simulated curve's, served emulated
 
 
 def prepare_points(cfg: DictConfig, runs: Path) -> LessonPoints:
@@ -43,8 +45,33 @@ def prepare_points(cfg: DictConfig, runs: Path) -> LessonPoints:
                 for p in prepare(point_config(cfg, overrides), where / name, ",".join(overrides))]
 
     base, slo = simulated_slo(cfg)
+    from experiments.sim.emulated import prepare_emulation          # its workers priced as the simulator prices
+
+    emulated = [p for name, pcfg in emulated_points(cfg, base, slo).items()
+                for p in prepare_emulation(prepare(pcfg, runs / "emulated" / name, f"emulated {name}"))]
     return LessonPoints(each(chunking_points(cfg)[0], runs / "chunking"),
-                        each(decision_points(cfg)[0], runs / "decision"), base, slo)
+                        each(decision_points(cfg)[0], runs / "decision"), base, slo, emulated)
+
+
+def emulated_points(cfg: DictConfig, base: DictConfig, slo: dict) -> dict[str, DictConfig]:
+    """goodput_vs_rate.emulated's points: each named layout of the simulated curve, on the decision map's GPUs,
+    link and KV stream, at its rate, served on emulated engines (name -> run config)."""
+    e, g, m = cfg.decision.simulated, cfg.goodput_vs_rate.simulated, cfg.goodput_vs_rate.emulated
+    chunks = {lay.layout: lay.get("chunk") for lay in g.layouts}
+    unknown = [lay for lay in m.layouts if lay not in chunks]
+    if unknown:
+        raise ValueError(f"goodput_vs_rate.emulated.layouts: {unknown[0]!r} is not one of "
+                         f"goodput_vs_rate.simulated.layouts ({', '.join(chunks)})")
+    out = {}
+    for layout in m.layouts:
+        c = cell_config(base, g.prompt_len, g.output_len, slo, e.link_bw, e.stream)
+        c.cluster.gpus = e.gpus
+        if chunks[layout]:
+            c.scheduler.token_budget = chunks[layout]
+        c.engine.timing, c.repeats, c.report = "emulated", 1, False
+        c.workload.rate, c.workload.num_requests = float(m.rate_per_gpu) * e.gpus, int(m.num_requests)
+        out[layout] = apply_layout(c, layout)
+    return out
 
 
 def common(cfg: DictConfig) -> list[str]:

@@ -176,3 +176,33 @@ def run_rows(run_dir: Path) -> list[list[dict]]:
     """The request rows of a served point, one list per repeat (rep*/requests.jsonl)."""
     return [[json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             for path in sorted(Path(run_dir).glob("rep*/requests.jsonl"))]
+
+
+def emulated_rows(runs: dict[str, Path], served: dict[str, dict]) -> list[dict]:
+    """Each emulated point (name -> its run directory, and its served summary) beside the simulator on the
+    same requests (its rep0's arrivals and lengths) at the same costs, the hardware group's as the curves
+    take them: SLO attainment, TTFT p50 and TPOT p50 of both."""
+    from experiments.analysis.validate import _spec
+    from experiments.serving.aggregate import read_jsonl
+    from experiments.serving.metrics import summarize
+    from experiments.sim.backend import costs_for, outputs, simulate
+    from experiments.sim.simulator import Arrival
+
+    rows = []
+    for name, run_dir in runs.items():
+        rep = Path(run_dir) / "rep0"
+        spec = _spec(rep)
+        reqs = read_jsonl(rep / "requests.jsonl")
+        arrivals = sorted((Arrival(r["id"], r["arrival_s"], r["prompt_len"], r["max_tokens"]) for r in reqs),
+                          key=lambda a: a.arrival_s)
+        sim_rows, _ = outputs(simulate(spec, arrivals, costs_for(spec), record_steps=False))
+        s = spec.slo
+        sim = summarize(sim_rows, s.ttft_ms, s.tpot_ms, spec.cluster.num_workers, s.attainment_target)
+        em = served[name]
+        rows.append({"layout": name, "rate_per_gpu": spec.workload.rate / spec.cluster.num_workers,
+                     "num_requests": len(reqs), "gpus": spec.cluster.num_workers,
+                     "emulated": {"slo_attainment": em["slo_attainment"], "ttft_p50_ms": em["ttft_ms"]["p50"],
+                                  "tpot_p50_ms": em["tpot_ms"]["p50"]},
+                     "simulated": {"slo_attainment": sim["slo_attainment"], "ttft_p50_ms": sim["ttft_ms"]["p50"],
+                                   "tpot_p50_ms": sim["tpot_ms"]["p50"]}})
+    return rows

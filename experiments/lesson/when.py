@@ -276,6 +276,8 @@ def rate_lines(r: dict) -> list[str]:
         f"within both, a rate met only if the cluster also kept up ({sim['num_sims']} simulations): "
         + "; ".join(_knee(c, " requests/s per GPU") for c in sim["curves"]) + ".")
     lines += ["", most_load(sim["curves"])]
+    if sim.get("emulated"):
+        lines += ["", emulated_lines(sim["emulated"])]
     if meas and meas["curves"]:
         def at(c):
             return ", ".join(
@@ -294,3 +296,19 @@ def rate_lines(r: dict) -> list[str]:
         mb = meas["breakdown"]
         lines += ["", _breakdown(mb, f"Measured here at {num(mb['rate'])} requests/s against {mb['colocated_point']}")]
     return lines + [""]
+
+
+def emulated_lines(rows: list[dict]) -> str:
+    """The simulated curve's rate served on emulated engines (docs/emulation.md) beside the simulator on the
+    same requests: the real router, scheduler and KV wire at GPU time, against their model."""
+    head = ("**Served in emulation** at " + f"{num(rows[0]['rate_per_gpu'])} requests/s per GPU "
+            f"({rows[0]['num_requests']} requests, {rows[0]['gpus']} emulated GPUs: pdlab's router, scheduler and KV "
+            "wire, each step waiting for its price under the same costs), beside the simulator on the same requests:")
+    table = ["| layout | SLO attainment, simulated | emulated | TTFT p50 ms, simulated | emulated | "
+             "TPOT p50 ms, simulated | emulated |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, e = r["simulated"], r["emulated"]
+        table.append(f"| {r['layout']} | {s['slo_attainment']:.0%} | {e['slo_attainment']:.0%} | "
+                     f"{num(s['ttft_p50_ms'])} | {num(e['ttft_p50_ms'])} | {num(s['tpot_p50_ms'])} | "
+                     f"{num(e['tpot_p50_ms'])} |")
+    return "\n".join([head, "", *table])

@@ -102,7 +102,7 @@ def combine(per_repeat: list[dict]) -> dict:
     first = per_repeat[0] if per_repeat else {}
     out = {"cores": first.get("cores"), "cpu_count": first.get("cpu_count")}
     out.update({f"{k}_max": worst(k) for k in ("load_1m_start", "load_1m_end", "other_cores", "other_share",
-                                                 "steal_share", "ours_cores")})
+                                                 "steal_share", "steal_cores", "ours_cores")})
     out["overloaded"] = any(m.get("overloaded") for m in per_repeat)
     out["workers_share_cores"] = any(m.get("workers_share_cores") for m in per_repeat)
     out["per_repeat"] = per_repeat
