@@ -56,6 +56,10 @@ def served(out: Path, gpus: int, args) -> dict:
             "completed": m["num_completed"], "submitted": m["num_submitted"], "wall_s": wall}
 
 
+def _or_nan(x) -> float:
+    return float("nan") if x is None else x
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pdlab bench emulation", description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", default="2,4,8,16", help="cluster sizes, comma-separated")
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{g:>4} {r['steps_per_s']:>8.0f} {r['price_p50_ms']:>9.2f} {r['late_p50_ms']:>8.3f} "
               f"{r['late_p90_ms']:>6.3f} {r['late_p99_ms']:>6.3f} {r['late_p99_over_price']:>9.1%} "
-              f"{r['gap_p50_ms']:>7.3f} {r['ours_cores'] or float('nan'):>5.2f} {r['steal_cores'] or float('nan'):>5.2f}",
+              f"{r['gap_p50_ms']:>7.3f} {_or_nan(r['ours_cores']):>5.2f} {_or_nan(r['steal_cores']):>5.2f}",
               flush=True)
     print(json.dumps({"layout": args.layout, "hardware": args.hardware, "model": args.model,
                       "rate_per_gpu": args.rate_per_gpu, "runs": rows, "out": str(root)}))

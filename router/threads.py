@@ -98,6 +98,9 @@ class RouterThreads:
         import zmq
 
         by_rank = {str(w.rank).encode(): w for w in self.pool.workers}
+        if getattr(self.pool, "emulation", None) is not None:    # its workers' threads are real-time: so is this
+            from workers.emulated import realtime                # reader, or they keep it from the events
+            realtime()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:

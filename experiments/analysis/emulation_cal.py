@@ -38,8 +38,9 @@ MIN_EVENTS = 20
 
 
 def default_path(machine: str | None = None) -> Path:
-    """Where this machine's emulation calibration lives (profiles/<machine>/emulation.json)."""
-    return PROFILES / (machine or machine_name()) / "emulation.json"
+    """Where this machine's emulation calibration lives (profiles/<machine>/emulation/system.json; a
+    folder of its own, beside the machine's step profiles)."""
+    return PROFILES / (machine or machine_name()) / "emulation" / "system.json"
 
 
 def _link(rep_metrics: dict):

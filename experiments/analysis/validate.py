@@ -334,7 +334,8 @@ def summary(result: dict) -> dict:
             spread[f"{p['point']}/{k}" if many else k] = (r[1] - r[0]) / real if r and real and p["repeats"] > 1 else None
     line |= {"max_abs_error": max(defined) if defined else None, "real_spread": spread}
     line["speed_ratio"] = (result.get("speed") or {}).get("ratio")          # {kind: x}, None: not read
-    line["disturbed"] = [p["point"] for p in result["points"] if (p.get("steal_cores") or 0) > STEAL_CORES]
+    if any("emulated" in p for p in result["points"]):     # emulated points the hypervisor took CPU from
+        line["disturbed"] = [p["point"] for p in result["points"] if (p.get("steal_cores") or 0) > STEAL_CORES]
     if result.get("against"):
         line["against"] = counts(result, "other") | {"run": result["against"]}
     return line
